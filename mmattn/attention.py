@@ -1,0 +1,496 @@
+"""Multi-head attention modules: a drop-in ``nn.MultiheadAttention`` and cross-attention.
+
+Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``d`` model width,
+``e`` head width (``d = h * e``).
+
+Mask convention (the module direction, as ``nn.MultiheadAttention``): boolean
+``key_padding_mask`` and ``attn_mask`` are **True where attention is NOT allowed**; float
+masks are added to the scores. Internally they are merged once into the SDPA direction and
+handed to :func:`mmattn.functional.attend`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from mmattn import _checks as checks
+from mmattn._helpers import default
+from mmattn.functional import attend
+from mmattn.masks import causal_mask, merge_masks
+
+__all__ = ["MultiHeadAttention", "CrossAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    r"""Multi-head attention, a drop-in replacement for ``torch.nn.MultiheadAttention``.
+
+    .. math::
+        \mathrm{out} = W_o\,\mathrm{concat}_h\!\left(
+            \mathrm{softmax}\!\left(\frac{(q W_q^h)(k W_k^h)^\top}{\sqrt{e}} + M\right) v W_v^h
+        \right)
+
+    The constructor and ``forward`` take the same arguments in the same order as
+    ``nn.MultiheadAttention``, and :meth:`from_torch` copies one exactly. Differences, on
+    purpose: ``batch_first=True`` and ``need_weights=False`` by default; ``key`` defaults to
+    ``query`` and ``value`` to ``key``; ``is_causal=True`` alone applies a causal mask (with an
+    ``attn_mask`` both apply); a query row with no allowed key gives a zero attention result
+    and zero weights (its output is ``out_proj.bias``) instead of NaN. Projections are always
+    separate ``nn.Linear`` modules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``.
+
+    Without weights requested the fused ``F.scaled_dot_product_attention`` path runs; with
+    ``need_weights=True`` (or ``MMATTN_FUSED_ATTN=0``) the explicit softmax path runs.
+
+    Args:
+        embed_dim: model width D (query width and output width).
+        num_heads: number of heads H; must divide ``embed_dim``.
+        dropout: dropout probability on the attention weights (training only).
+        bias: add biases to the four projections.
+        add_bias_kv: append a learned key and value (``bias_k``, ``bias_v``) to the sequence.
+        add_zero_attn: append an all-zero key and value after the heads are split.
+        kdim: key width (default ``embed_dim``).
+        vdim: value width (default ``embed_dim``).
+        batch_first: inputs are (B, L, D) when True, (L, B, D) when False.
+        device, dtype: factory arguments for the parameters.
+
+    Shape:
+        - query: (B, L, D), or (L, D) unbatched, or (L, B, D) with ``batch_first=False``
+        - key: (B, S, kdim); value: (B, S, vdim)
+        - key_padding_mask: (B, S) bool or float, or (S,) unbatched
+        - attn_mask: (L, S) or (B * H, L, S) bool or float, or (H, L, S) unbatched
+        - returns: output (B, L, D) in the input layout, and weights (B, L, S) averaged over
+          heads or (B, H, L, S) per head when ``need_weights`` (else None)
+
+    Raises:
+        ValueError / TypeError: at construction for bad sizes, and in ``forward`` for inputs
+            or masks of the wrong rank, shape, dtype or device — the message names the
+            argument and the expected and actual values.
+
+    Examples:
+        >>> mha = MultiHeadAttention(embed_dim=16, num_heads=4)
+        >>> x = torch.randn(2, 5, 16)
+        >>> out, weights = mha(x, need_weights=True)
+        >>> out.shape, weights.shape
+        (torch.Size([2, 5, 16]), torch.Size([2, 5, 5]))
+    """
+
+    # nn.MultiheadAttention duck-typing: PyTorch's Transformer layers read these attributes
+    # to decide on their packed-weight fast path. Our projections are never packed.
+    _qkv_same_embed_dim = False
+    in_proj_weight = None
+    in_proj_bias = None
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        checks.check_positive_int("embed_dim", embed_dim)
+        checks.check_positive_int("num_heads", num_heads)
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"num_heads must divide embed_dim, got embed_dim={embed_dim}, "
+                f"num_heads={num_heads}"
+            )
+        kdim = checks.check_positive_int("kdim", default(kdim, embed_dim))
+        vdim = checks.check_positive_int("vdim", default(vdim, embed_dim))
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = checks.check_probability("dropout", dropout)
+        self.kdim = kdim
+        self.vdim = vdim
+        self.batch_first = bool(batch_first)
+        self.add_zero_attn = bool(add_zero_attn)
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, embed_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, embed_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise like ``nn.MultiheadAttention`` (same distributions).
+
+        With equal widths torch draws the packed (3D, D) in-projection from one Xavier
+        uniform; we draw each (D, D) block from that same distribution. Biases start at 0.
+        """
+        if self.kdim == self.vdim == self.embed_dim:
+            bound = math.sqrt(6.0 / (self.embed_dim + 3 * self.embed_dim))
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                nn.init.uniform_(proj.weight, -bound, bound)
+        else:
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                nn.init.xavier_uniform_(proj.weight)
+        self.out_proj.reset_parameters()
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def extra_repr(self) -> str:
+        parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            parts.append(f"kdim={self.kdim}, vdim={self.vdim}")
+        if self.bias_k is not None:
+            parts.append("add_bias_kv=True")
+        if self.add_zero_attn:
+            parts.append("add_zero_attn=True")
+        parts.append(f"batch_first={self.batch_first}")
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend ``query`` over ``key``/``value``; see the class docstring for shapes."""
+        key = default(key, query)
+        value = default(value, key)
+        batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        if not batched:
+            query, key, value = query[None], key[None], value[None]
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[None]
+        elif not self.batch_first:
+            query, key, value = (rearrange(t, "l b d -> b l d") for t in (query, key, value))
+
+        q = self.q_proj(query)
+        k = self.k_proj(key)
+        v = self.v_proj(value)
+        if is_causal and (self.bias_k is not None or self.add_zero_attn):
+            # The causal rule covers the real keys; appended keys stay visible, as in torch.
+            attn_mask = _fold_causal(attn_mask, q.shape[1], k.shape[1], q.device)
+            is_causal = False
+        if self.bias_k is not None:
+            batch = q.shape[0]
+            k = torch.cat([k, self.bias_k.expand(batch, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(batch, 1, -1)], dim=1)
+            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
+        q, k, v = (rearrange(t, "b l (h e) -> b h l e", h=self.num_heads) for t in (q, k, v))
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
+            v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
+            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
+
+        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, is_causal, need_weights)
+        out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
+
+        if not batched:
+            out = out[0]
+        elif not self.batch_first:
+            out = rearrange(out, "b l d -> l b d")
+        if weights is not None:
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if not batched:
+                weights = weights[0]
+        return out, weights
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The attention kernel on head-split tensors; variants override this one method.
+
+        Shape:
+            - q: (b, h, i, e); k, v: (b, h, j, e)
+            - masks: module direction, already extended for appended keys
+            - returns: (b, h, i, e) and weights (b, h, i, j) or None
+        """
+        mask = merge_masks(
+            key_padding_mask,
+            attn_mask,
+            batch_size=q.shape[0],
+            num_heads=self.num_heads,
+            dtype=q.dtype,
+        )
+        return attend(
+            q,
+            k,
+            v,
+            mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            need_weights=need_weights,
+        )
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_inputs(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+    ) -> bool:
+        """Validate shapes, dtypes and devices; return whether the input is batched."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            checks.check_tensor(name, t)
+            checks.check_floating(name, t)
+        layout = "(batch, length, embed_dim)" if self.batch_first else "(length, batch, embed_dim)"
+        checks.check_rank("query", query, (2, 3), f"{layout} or unbatched (length, embed_dim)")
+        batched = query.dim() == 3
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != query.dim():
+                raise ValueError(
+                    f"{name} must have the same rank as query ({query.dim()}-D), got "
+                    f"{t.dim()}-D with shape {tuple(t.shape)}"
+                )
+        checks.check_last_dim("query", query, self.embed_dim, "embed_dim")
+        checks.check_last_dim("key", key, self.kdim, "kdim")
+        checks.check_last_dim("value", value, self.vdim, "vdim")
+        for name, t in (("key", key), ("value", value)):
+            checks.check_same_dtype(name, t, "query", query)
+            checks.check_same_device(name, t, "query", query)
+        weight = self.q_proj.weight
+        checks.check_same_device("query", query, "the module's parameters", weight)
+        if query.dtype != weight.dtype and not torch.is_autocast_enabled():
+            raise TypeError(
+                f"query has dtype {query.dtype} but the module's parameters have dtype "
+                f"{weight.dtype}; convert one of them (e.g. module.to({query.dtype}))"
+            )
+        seq_dim = 1 if batched and self.batch_first else 0
+        batch_dim = 1 - seq_dim
+        if key.shape[seq_dim] != value.shape[seq_dim]:
+            raise ValueError(
+                f"key and value must have the same length, got key {tuple(key.shape)} and "
+                f"value {tuple(value.shape)}"
+            )
+        if batched and not (query.shape[batch_dim] == key.shape[batch_dim]
+                            == value.shape[batch_dim]):
+            raise ValueError(
+                f"query, key and value must have the same batch size, got query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+        batch = query.shape[batch_dim] if batched else None
+        q_len, k_len = query.shape[seq_dim], key.shape[seq_dim]
+        if key_padding_mask is not None:
+            checks.check_tensor("key_padding_mask", key_padding_mask)
+            checks.check_mask_dtype("key_padding_mask", key_padding_mask)
+            checks.check_same_device("key_padding_mask", key_padding_mask, "query", query)
+            expected = (batch, k_len) if batched else (k_len,)
+            checks.check_shape(
+                "key_padding_mask", key_padding_mask, expected,
+                "(batch, key_length)" if batched else "(key_length,)",
+            )
+        if attn_mask is not None:
+            checks.check_tensor("attn_mask", attn_mask)
+            checks.check_mask_dtype("attn_mask", attn_mask)
+            checks.check_same_device("attn_mask", attn_mask, "query", query)
+            stacked = (batch if batched else 1) * self.num_heads
+            if attn_mask.shape not in ((q_len, k_len), (stacked, q_len, k_len)):
+                raise ValueError(
+                    f"attn_mask must have shape {(q_len, k_len)} or "
+                    f"{(stacked, q_len, k_len)} (batch * num_heads, query_length, key_length), "
+                    f"got {tuple(attn_mask.shape)}"
+                )
+        return batched
+
+    # ------------------------------------------------------------------ torch interop
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Build one with the same weights and settings as an ``nn.MultiheadAttention``.
+
+        Packed (``in_proj_weight``) and separate (``q_proj_weight`` ...) layouts are both
+        read. The result keeps the source's ``batch_first`` and gives identical outputs.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.MultiheadAttention``.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(
+                f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}"
+            )
+        weight = module.out_proj.weight
+        new = cls(
+            module.embed_dim,
+            module.num_heads,
+            dropout=module.dropout,
+            bias=module.in_proj_bias is not None,
+            add_bias_kv=module.bias_k is not None,
+            add_zero_attn=module.add_zero_attn,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            batch_first=module.batch_first,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        if module._qkv_same_embed_dim:
+            weights = module.in_proj_weight.chunk(3)
+        else:
+            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        biases = (
+            module.in_proj_bias.chunk(3) if module.in_proj_bias is not None else (None,) * 3
+        )
+        with torch.no_grad():
+            for proj, w, b in zip((new.q_proj, new.k_proj, new.v_proj), weights, biases):
+                proj.weight.copy_(w)
+                if b is not None:
+                    proj.bias.copy_(b)
+            new.out_proj.weight.copy_(module.out_proj.weight)
+            if new.out_proj.bias is not None:
+                new.out_proj.bias.copy_(module.out_proj.bias)
+            if module.bias_k is not None:
+                new.bias_k.copy_(module.bias_k)
+                new.bias_v.copy_(module.bias_v)
+        return new.train(module.training)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An ``nn.MultiheadAttention`` with the same weights and settings (the inverse)."""
+        weight = self.out_proj.weight
+        module = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.q_proj.bias is not None,
+            add_bias_kv=self.bias_k is not None,
+            add_zero_attn=self.add_zero_attn,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=self.batch_first,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        with torch.no_grad():
+            if module._qkv_same_embed_dim:
+                module.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
+            else:
+                module.q_proj_weight.copy_(self.q_proj.weight)
+                module.k_proj_weight.copy_(self.k_proj.weight)
+                module.v_proj_weight.copy_(self.v_proj.weight)
+            if module.in_proj_bias is not None:
+                module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
+                module.out_proj.bias.copy_(self.out_proj.bias)
+            module.out_proj.weight.copy_(self.out_proj.weight)
+            if self.bias_k is not None:
+                module.bias_k.copy_(self.bias_k)
+                module.bias_v.copy_(self.bias_v)
+        return module.train(self.training)
+
+
+class CrossAttention(MultiHeadAttention):
+    """Multi-head attention of a query sequence over a required context sequence.
+
+    The same module as :class:`MultiHeadAttention` (same arguments, masks and outputs), but
+    ``key`` (the context) must be given, and ``vdim`` defaults to ``kdim`` so that a context
+    of width ``kdim`` serves as both key and value.
+
+    Shape:
+        - query: (B, L, embed_dim); key (context): (B, S, kdim); value: (B, S, vdim)
+        - returns: (B, L, embed_dim), weights (B, L, S) when ``need_weights``
+
+    Examples:
+        >>> xattn = CrossAttention(embed_dim=32, num_heads=4, kdim=12)
+        >>> text, image = torch.randn(2, 7, 32), torch.randn(2, 49, 12)
+        >>> xattn(text, image)[0].shape
+        torch.Size([2, 7, 32])
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            embed_dim,
+            num_heads,
+            dropout=dropout,
+            bias=bias,
+            add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn,
+            kdim=kdim,
+            vdim=default(vdim, kdim),
+            batch_first=batch_first,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend ``query`` over the context ``key`` (required) and ``value``."""
+        if key is None:
+            raise TypeError("CrossAttention.forward requires key (the context sequence), got None")
+        return super().forward(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+            is_causal,
+        )
+
+
+def _pad_masks(
+    key_padding_mask: Tensor | None, attn_mask: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """Append one always-allowed key column to module-direction masks."""
+    return tuple(
+        None if m is None else torch.cat([m, m.new_zeros(*m.shape[:-1], 1)], dim=-1)
+        for m in (key_padding_mask, attn_mask)
+    )
+
+
+def _fold_causal(
+    attn_mask: Tensor | None, q_len: int, k_len: int, device: torch.device
+) -> Tensor:
+    """Merge the causal rule into a module-direction ``attn_mask`` (True = not allowed)."""
+    hidden = ~causal_mask(q_len, k_len, device=device)
+    if attn_mask is None:
+        return hidden
+    if attn_mask.dtype == torch.bool:
+        return attn_mask | hidden
+    return attn_mask.masked_fill(hidden, float("-inf"))

@@ -1,0 +1,287 @@
+"""Attention kernels as pure functions on (..., i, e) tensors.
+
+Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``e`` head width.
+
+The mask convention mirrors ``torch.nn.functional.scaled_dot_product_attention``: a boolean
+``attn_mask`` is **True where query i may attend key j**; a float mask is added to the scores.
+Unlike plain SDPA math, a query row with no allowed key returns zeros (and zero weights), and
+its gradients stay finite.
+
+Two interchangeable paths compute the same numbers:
+
+- the fused path calls ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels);
+- the explicit path spells out ``softmax(q kᵀ · scale + mask) v`` and can return the weights.
+
+The explicit path runs when weights are requested or when ``MMATTN_FUSED_ATTN=0`` is set in
+the environment (read at import) or :func:`set_fused_attn` is called with ``False``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from typing import Literal, overload
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mmattn._checks import (
+    check_floating,
+    check_mask_dtype,
+    check_rank,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+from mmattn.masks import causal_mask
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "use_fused_attn",
+    "set_fused_attn",
+    "fused_attn",
+]
+
+_FUSED_ATTN = os.environ.get("MMATTN_FUSED_ATTN", "1").strip().lower() not in ("0", "false", "no")
+
+
+def use_fused_attn() -> bool:
+    """Whether attention without requested weights takes the fused SDPA path."""
+    return _FUSED_ATTN
+
+
+def set_fused_attn(enable: bool) -> None:
+    """Switch the fused path on or off for the whole process (``MMATTN_FUSED_ATTN``)."""
+    global _FUSED_ATTN
+    _FUSED_ATTN = bool(enable)
+
+
+@contextmanager
+def fused_attn(enable: bool):
+    """Context manager form of :func:`set_fused_attn`; restores the old setting on exit."""
+    previous = use_fused_attn()
+    set_fused_attn(enable)
+    try:
+        yield
+    finally:
+        set_fused_attn(previous)
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        check_tensor(name, t)
+        check_floating(name, t)
+    check_rank("query", q, range(2, 8), "(..., L, E)")
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            f"query, key and value must have the same rank, got query {tuple(q.shape)}, "
+            f"key {tuple(k.shape)}, value {tuple(v.shape)}"
+        )
+    check_same_dtype("key", k, "query", q)
+    check_same_dtype("value", v, "query", q)
+    check_same_device("key", k, "query", q)
+    check_same_device("value", v, "query", q)
+    if q.shape[:-2] != k.shape[:-2] or q.shape[:-2] != v.shape[:-2]:
+        raise ValueError(
+            "query, key and value must share leading (batch, head) dimensions, got query "
+            f"{tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}"
+        )
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"key must have the same last dimension as query ({q.shape[-1]}), got key "
+            f"{tuple(k.shape)}"
+        )
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"value must have the same length as key ({k.shape[-2]}), got value {tuple(v.shape)}"
+        )
+
+
+def _check_attn_mask(mask: Tensor, q: Tensor, k: Tensor) -> None:
+    check_tensor("attn_mask", mask)
+    check_mask_dtype("attn_mask", mask)
+    check_same_device("attn_mask", mask, "query", q)
+    target = (*q.shape[:-1], k.shape[-2])
+    ok = mask.dim() <= len(target) and all(
+        m in (1, t) for m, t in zip(mask.shape[::-1], target[::-1])
+    )
+    if not ok:
+        raise ValueError(
+            f"attn_mask must broadcast to (..., L, S) = {target}, got {tuple(mask.shape)}"
+        )
+
+
+def _with_causal(mask: Tensor | None, q_len: int, k_len: int, dtype, device) -> Tensor:
+    causal = causal_mask(q_len, k_len, device=device)
+    if mask is None:
+        return causal
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return mask.masked_fill(~causal, float("-inf"))
+
+
+def _live_rows(mask: Tensor) -> Tensor:
+    """(..., i, 1) bool: True where the row has at least one allowed key."""
+    if mask.dtype == torch.bool:
+        return mask.any(dim=-1, keepdim=True)
+    return ~torch.isneginf(mask).all(dim=-1, keepdim=True)
+
+
+def _open_dead_rows(mask: Tensor, live: Tensor) -> Tensor:
+    """Let rows without any allowed key attend everything, so softmax stays finite.
+
+    Their results are zeroed afterwards; opening them keeps forward and backward NaN-free.
+    """
+    if mask.dtype == torch.bool:
+        return mask | ~live
+    return mask.masked_fill(~live, 0.0)
+
+
+def _explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, scale: float
+) -> tuple[Tensor, Tensor]:
+    """The readable twin: softmax(q kᵀ · scale + mask) v, returning the weights too."""
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., i, j)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.matmul(weights, v), weights
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Unchecked kernel shared by the modules; see :func:`scaled_dot_product_attention`."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if is_causal and (mask is not None or need_weights or not _FUSED_ATTN):
+        mask = _with_causal(mask, q.shape[-2], k.shape[-2], q.dtype, q.device)
+        is_causal = False
+    live = None
+    if mask is not None:
+        live = _live_rows(mask)
+        mask = _open_dead_rows(mask, live)
+    if need_weights or not _FUSED_ATTN:
+        out, weights = _explicit_attention(q, k, v, mask, dropout_p, scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+        weights = None
+    if live is not None:
+        out = out * live
+        if weights is not None:
+            weights = weights * live
+    return out, (weights if need_weights else None)
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    *,
+    need_weights: Literal[False] = ...,
+) -> Tensor: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    *,
+    need_weights: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    need_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    r"""Scaled dot-product attention, ``F.scaled_dot_product_attention`` with safe masks.
+
+    .. math::
+        \mathrm{out} = \mathrm{softmax}\!\left(\frac{q k^\top}{\sqrt{e}} + M\right) v
+
+    A drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (same argument order,
+    same mask direction, dropout applied whenever ``dropout_p > 0``), with two additions: a
+    query row whose keys are all masked returns zeros (never NaN, also in the gradient), and
+    ``need_weights=True`` also returns the attention weights.
+
+    Args:
+        query, key, value: projected, head-split tensors.
+        attn_mask: bool (True = may attend) or float (added to scores), broadcastable to
+            (..., L, S).
+        dropout_p: dropout probability on the attention weights.
+        is_causal: apply a causal mask (query i sees keys j <= i), combined with
+            ``attn_mask`` when both are given.
+        scale: score scale; default ``1 / sqrt(E)``.
+        need_weights: also return the (post-dropout) attention weights.
+
+    Shape:
+        - query: (..., L, E); key: (..., S, E); value: (..., S, Ev)
+        - returns: (..., L, Ev), and weights (..., L, S) when ``need_weights``.
+
+    Raises:
+        TypeError: non-tensor or non-floating inputs, mismatched dtypes, a mask that is
+            neither bool nor floating.
+        ValueError: mismatched ranks, leading dims, widths or lengths; a mask that does not
+            broadcast to (..., L, S); inputs on different devices.
+
+    Examples:
+        >>> q = k = v = torch.randn(2, 4, 5, 8)
+        >>> scaled_dot_product_attention(q, k, v).shape
+        torch.Size([2, 4, 5, 8])
+        >>> out, w = scaled_dot_product_attention(q, k, v, need_weights=True)
+        >>> w.shape
+        torch.Size([2, 4, 5, 5])
+    """
+    _check_qkv(query, key, value)
+    if attn_mask is not None:
+        _check_attn_mask(attn_mask, query, key)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    out, weights = attend(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        need_weights=need_weights,
+    )
+    return (out, weights) if need_weights else out

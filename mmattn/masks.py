@@ -1,0 +1,226 @@
+"""Mask builders and lossless conversions between the conventions users meet.
+
+Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length.
+
+Three directions of boolean mask exist in PyTorch code, and mmattn names each:
+
+================================  =====================  ==========================
+where                             True means             shape
+================================  =====================  ==========================
+``Tokens.mask``, PyG              a real token           (b, j)
+``to_dense_batch``'s mask
+SDPA ``attn_mask``,               query i may attend     (..., i, j)
+``mmattn.functional``             key j
+``nn.MultiheadAttention`` and     NOT allowed / padding  (b, j) or (i, j) or
+our modules' ``key_padding_mask``                        (b*h, i, j)
+and ``attn_mask``
+================================  =====================  ==========================
+
+Float masks mean the same everywhere: they are added to the attention scores, ``-inf``
+forbids a pair. The builders here return the SDPA direction ("may attend"); :func:`invert`
+turns any boolean mask into the opposite direction.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange, repeat
+from torch import Tensor
+
+from mmattn._checks import check_mask_dtype, check_positive_int, check_rank, check_tensor
+
+__all__ = [
+    "padding_mask",
+    "causal_mask",
+    "band_mask",
+    "invert",
+    "to_additive",
+    "to_bool",
+    "merge_masks",
+    "expand_heads",
+]
+
+
+def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
+    """Real-token mask from sequence lengths (the ``Tokens.mask`` direction).
+
+    Args:
+        lengths: number of real tokens per sequence.
+        max_len: padded length L; defaults to ``lengths.max()``.
+
+    Shape:
+        - lengths: (B,) integer
+        - returns: (B, L) bool, True at real tokens.
+
+    Raises:
+        TypeError: ``lengths`` is not an integer tensor.
+        ValueError: ``lengths`` is not 1-D, is negative, or exceeds ``max_len``.
+
+    Examples:
+        >>> padding_mask(torch.tensor([2, 4])).int().tolist()
+        [[1, 1, 0, 0], [1, 1, 1, 1]]
+    """
+    check_rank("lengths", lengths, (1,), "(batch,)")
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths must have an integer dtype, got {lengths.dtype}")
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
+    if max_len is None:
+        max_len = longest
+    check_positive_int("max_len", max_len, minimum=0)
+    if longest > max_len:
+        raise ValueError(f"lengths must be <= max_len={max_len}, got a length of {longest}")
+    positions = torch.arange(max_len, device=lengths.device)
+    return positions < lengths[:, None]
+
+
+def causal_mask(
+    q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None
+) -> Tensor:
+    """Causal "may attend" mask: query i sees keys j <= i (top-left aligned, like SDPA).
+
+    Shape:
+        - returns: (q_len, k_len) bool, True where attention is allowed.
+
+    Examples:
+        >>> causal_mask(3).int().tolist()
+        [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
+    check_positive_int("q_len", q_len, minimum=0)
+    k_len = q_len if k_len is None else check_positive_int("k_len", k_len, minimum=0)
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
+
+
+def band_mask(
+    q_len: int,
+    window_size: int,
+    *,
+    k_len: int | None = None,
+    causal: bool = False,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Local "may attend" mask: query i sees key j iff ``|i - j| <= window_size``.
+
+    With ``causal=True`` additionally ``j <= i``.
+
+    Shape:
+        - returns: (q_len, k_len) bool, True where attention is allowed.
+
+    Raises:
+        TypeError: ``window_size`` is not an int.
+        ValueError: ``window_size`` is negative.
+
+    Examples:
+        >>> band_mask(4, 1).int().tolist()
+        [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]
+    """
+    check_positive_int("window_size", window_size, minimum=0)
+    check_positive_int("q_len", q_len, minimum=0)
+    k_len = q_len if k_len is None else check_positive_int("k_len", k_len, minimum=0)
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(k_len, device=device)[None, :]
+    offset = i - j
+    allowed = offset.abs() <= window_size
+    if causal:
+        allowed &= offset >= 0
+    return allowed
+
+
+def invert(mask: Tensor) -> Tensor:
+    """Flip a boolean mask between directions (module ``True = masked`` <-> SDPA/Tokens).
+
+    Raises:
+        TypeError: ``mask`` is not bool (a float mask has no direction to flip).
+
+    Examples:
+        >>> invert(torch.tensor([True, False])).tolist()
+        [False, True]
+    """
+    check_tensor("mask", mask)
+    check_mask_dtype("mask", mask, allow_float=False)
+    return ~mask
+
+
+def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """SDPA-direction boolean mask -> additive float mask (0 where allowed, -inf elsewhere).
+
+    Examples:
+        >>> to_additive(torch.tensor([True, False])).tolist()
+        [0.0, -inf]
+    """
+    check_tensor("mask", mask)
+    check_mask_dtype("mask", mask, allow_float=False)
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill_(~mask, float("-inf"))
+
+
+def to_bool(mask: Tensor) -> Tensor:
+    """Additive float mask of 0 / -inf -> SDPA-direction bool (True where the value is 0).
+
+    The inverse of :func:`to_additive`. Any other value cannot be represented by a boolean
+    mask, so it raises instead of losing information.
+
+    Raises:
+        TypeError: ``mask`` is not floating.
+        ValueError: ``mask`` holds values other than 0 and -inf.
+    """
+    check_tensor("mask", mask)
+    if not mask.is_floating_point():
+        raise TypeError(f"mask must have a floating dtype, got {mask.dtype}")
+    allowed = mask == 0
+    if not bool((allowed | torch.isneginf(mask)).all()):
+        raise ValueError("mask must hold only 0 and -inf to convert to bool losslessly")
+    return allowed
+
+
+def expand_heads(mask: Tensor, num_heads: int) -> Tensor:
+    """Repeat a per-sample (B, L, S) mask for every head: (B * num_heads, L, S).
+
+    The order matches ``nn.MultiheadAttention``'s 3-D ``attn_mask`` (batch-major).
+    """
+    check_rank("mask", mask, (3,), "(batch, query_len, key_len)")
+    check_positive_int("num_heads", num_heads)
+    return repeat(mask, "b i j -> (b h) i j", h=num_heads)
+
+
+def merge_masks(
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    *,
+    batch_size: int,
+    num_heads: int,
+    dtype: torch.dtype,
+) -> Tensor | None:
+    """Merge the module masks (True = NOT allowed) into one SDPA mask (True = may attend).
+
+    Two boolean masks merge into a boolean mask; when either is a float mask, the result is
+    additive in ``dtype`` (booleans become 0 / -inf). Shapes are assumed already checked.
+
+    Args:
+        key_padding_mask: (B, S), True (or -inf) at padded keys.
+        attn_mask: (L, S) or (B * num_heads, L, S), True (or -inf) where not allowed.
+        batch_size: B. num_heads: H. dtype: floating dtype of an additive result.
+
+    Shape:
+        - returns: (B, 1 or H, L or 1, S), or None when both inputs are None.
+    """
+    parts = []
+    if key_padding_mask is not None:
+        parts.append(rearrange(key_padding_mask, "b j -> b 1 1 j"))
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            parts.append(rearrange(attn_mask, "i j -> 1 1 i j"))
+        else:
+            parts.append(rearrange(attn_mask, "(b h) i j -> b h i j", b=batch_size, h=num_heads))
+    if not parts:
+        return None
+    if all(p.dtype == torch.bool for p in parts):
+        merged = parts[0] if len(parts) == 1 else parts[0] | parts[1]
+        return ~merged
+    additive = [
+        to_additive(~p, dtype) if p.dtype == torch.bool else p.to(dtype) for p in parts
+    ]
+    return additive[0] if len(additive) == 1 else additive[0] + additive[1]

@@ -1,0 +1,467 @@
+"""Position encodings shared by the adapters and the attention blocks.
+
+Axis key: ``b`` batch, ``l`` sequence length, ``d`` model width, ``h``/``w`` rows and columns
+of a 2D grid, ``e`` the width a rotary encoding rotates (usually a head's width).
+
+Four kinds, each a pure function plus a small module:
+
+- sinusoidal 1D (Vaswani et al., 2017): :func:`sinusoidal_1d`,
+  :class:`SinusoidalPositionalEncoding`;
+- sinusoidal 2D (half the width encodes the row, half the column, as in MAE):
+  :func:`sinusoidal_2d`;
+- learned, 1D and 2D, the 2D table resampled to other grids with :func:`resample_2d`:
+  :class:`LearnedPositionalEmbedding`, :class:`LearnedPositionalEmbedding2d`;
+- rotary (Su et al., RoFormer), "rotate half" layout: :func:`rotary_cos_sin`,
+  :func:`apply_rotary`, :class:`RotaryEmbedding`.
+
+The additive modules return ``x + position``; they never change the dtype of ``x``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from mmattn._checks import check_last_dim, check_positive_int, check_rank
+
+__all__ = [
+    "LearnedPositionalEmbedding",
+    "LearnedPositionalEmbedding2d",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "apply_rotary",
+    "resample_2d",
+    "rotary_cos_sin",
+    "sinusoidal_1d",
+    "sinusoidal_2d",
+]
+
+
+def _check_even(name: str, value: int, multiple: int = 2) -> None:
+    if value % multiple:
+        raise ValueError(f"{name} must be divisible by {multiple}, got {value}")
+
+
+def _check_grid(name: str, grid: object) -> tuple[int, int]:
+    if isinstance(grid, int) and not isinstance(grid, bool):
+        grid = (grid, grid)
+    if not isinstance(grid, (tuple, list)) or len(grid) != 2:
+        raise TypeError(f"{name} must be an int or a pair (rows, cols), got {grid!r}")
+    rows = check_positive_int(f"{name}[0]", grid[0])
+    cols = check_positive_int(f"{name}[1]", grid[1])
+    return rows, cols
+
+
+def sinusoidal_1d(
+    length: int,
+    dim: int,
+    *,
+    base: float = 10000.0,
+    offset: int = 0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    r"""The fixed sine/cosine table of "Attention Is All You Need".
+
+    .. math::
+        PE_{p, 2i} = \sin(p / base^{2i/d}), \qquad PE_{p, 2i+1} = \cos(p / base^{2i/d})
+
+    for positions :math:`p = offset, \dots, offset + length - 1` (sine and cosine interleaved).
+    Computed in float32, then cast to ``dtype``.
+
+    Args:
+        length: number of positions.
+        dim: encoding width, even.
+        base: the wavelength base.
+        offset: first position.
+        device: where to build the table.
+        dtype: dtype of the result (default: the default float dtype).
+
+    Shape:
+        - Output: (length, dim)
+
+    Raises:
+        TypeError / ValueError: ``length`` or ``dim`` not a positive int, ``dim`` odd.
+
+    Examples:
+        >>> sinusoidal_1d(5, 8).shape
+        torch.Size([5, 8])
+    """
+    check_positive_int("length", length)
+    check_positive_int("dim", dim)
+    _check_even("dim", dim)
+    pos = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    angles = torch.outer(pos, inv_freq)  # (l, d/2)
+    table = torch.stack((angles.sin(), angles.cos()), dim=-1)
+    table = rearrange(table, "l half two -> l (half two)")
+    return table.to(dtype or torch.get_default_dtype())
+
+
+def sinusoidal_2d(
+    rows: int,
+    cols: int,
+    dim: int,
+    *,
+    base: float = 10000.0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """2D sine/cosine table: the first half of the width encodes the row, the second the column.
+
+    ``out[r * cols + c] = cat(sinusoidal_1d(rows, dim/2)[r], sinusoidal_1d(cols, dim/2)[c])``,
+    so the rows of the result follow the row-major order of image patches.
+
+    Args:
+        rows: grid rows.
+        cols: grid columns.
+        dim: encoding width, divisible by 4.
+        base: the wavelength base.
+        device: where to build the table.
+        dtype: dtype of the result.
+
+    Shape:
+        - Output: (rows * cols, dim)
+
+    Raises:
+        ValueError: ``dim`` not divisible by 4, or non-positive sizes.
+
+    Examples:
+        >>> sinusoidal_2d(2, 3, 8).shape
+        torch.Size([6, 8])
+    """
+    check_positive_int("dim", dim)
+    _check_even("dim", dim, 4)
+    row = sinusoidal_1d(rows, dim // 2, base=base, device=device, dtype=dtype)
+    col = sinusoidal_1d(cols, dim // 2, base=base, device=device, dtype=dtype)
+    row = rearrange(row, "h d -> h 1 d").expand(rows, cols, dim // 2)
+    col = rearrange(col, "w d -> 1 w d").expand(rows, cols, dim // 2)
+    return rearrange(torch.cat((row, col), dim=-1), "h w d -> (h w) d")
+
+
+def resample_2d(
+    table: Tensor,
+    old_grid: tuple[int, int],
+    new_grid: tuple[int, int],
+    *,
+    mode: str = "bicubic",
+) -> Tensor:
+    """Resample a (rows * cols, dim) position table to another grid by interpolation.
+
+    Used when an image is larger or smaller than the size a learned table was built for
+    (as timm's ``resample_abs_pos_embed``). The grid is treated as an image with ``dim``
+    channels and interpolated with ``F.interpolate(mode, align_corners=False)``, in float32.
+
+    Args:
+        table: the table, row-major.
+        old_grid: (rows, cols) of ``table``.
+        new_grid: the wanted (rows, cols).
+        mode: an ``F.interpolate`` mode ("bicubic", "bilinear", "nearest").
+
+    Shape:
+        - table: (old_rows * old_cols, dim)
+        - Output: (new_rows * new_cols, dim)
+
+    Returns:
+        ``table`` itself when the grids are equal, else the resampled table in its dtype.
+
+    Raises:
+        ValueError: ``table`` is not 2-D or does not have ``old_rows * old_cols`` rows.
+
+    Examples:
+        >>> resample_2d(torch.randn(4, 8), (2, 2), (3, 5)).shape
+        torch.Size([15, 8])
+    """
+    old_grid = _check_grid("old_grid", old_grid)
+    new_grid = _check_grid("new_grid", new_grid)
+    check_rank("table", table, (2,), "(rows * cols, dim)")
+    if table.shape[0] != old_grid[0] * old_grid[1]:
+        raise ValueError(
+            f"table must have old_grid rows*cols={old_grid[0] * old_grid[1]} rows, "
+            f"got shape {tuple(table.shape)}"
+        )
+    if old_grid == new_grid:
+        return table
+    grid = rearrange(table.float(), "(h w) d -> 1 d h w", h=old_grid[0])
+    kwargs = {} if mode == "nearest" else {"align_corners": False}
+    grid = F.interpolate(grid, size=new_grid, mode=mode, **kwargs)
+    return rearrange(grid, "1 d h w -> (h w) d").to(table.dtype)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Adds the fixed 1D sine/cosine table of :func:`sinusoidal_1d` (no parameters).
+
+    Args:
+        dim: width of the inputs, even.
+        base: the wavelength base.
+
+    Shape:
+        - x: (B, L, dim)
+        - Output: (B, L, dim), dtype of ``x``
+
+    Examples:
+        >>> SinusoidalPositionalEncoding(8)(torch.zeros(2, 5, 8)).shape
+        torch.Size([2, 5, 8])
+    """
+
+    def __init__(self, dim: int, *, base: float = 10000.0) -> None:
+        super().__init__()
+        check_positive_int("dim", dim)
+        _check_even("dim", dim)
+        self.dim = dim
+        self.base = base
+
+    def reset_parameters(self) -> None:
+        """Nothing to reset: the table is fixed."""
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        check_rank("x", x, (3,), "(batch, length, dim)")
+        check_last_dim("x", x, self.dim, "dim")
+        table = sinusoidal_1d(
+            x.shape[1], self.dim, base=self.base, offset=offset, device=x.device, dtype=x.dtype
+        )
+        return x + table
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}"
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """Adds a learned table of ``max_len`` positions (trunc-normal init, std 0.02).
+
+    Args:
+        max_len: the longest sequence it can encode.
+        dim: width of the inputs.
+        device: parameter device.
+        dtype: parameter dtype.
+
+    Shape:
+        - x: (B, L, dim) with L <= max_len
+        - Output: (B, L, dim)
+
+    Raises:
+        ValueError: ``L > max_len`` or the width of ``x`` differs from ``dim``.
+
+    Examples:
+        >>> LearnedPositionalEmbedding(16, 8)(torch.zeros(2, 5, 8)).shape
+        torch.Size([2, 5, 8])
+    """
+
+    def __init__(
+        self,
+        max_len: int,
+        dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.max_len = check_positive_int("max_len", max_len)
+        self.dim = check_positive_int("dim", dim)
+        self.weight = nn.Parameter(torch.empty(max_len, dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        check_rank("x", x, (3,), "(batch, length, dim)")
+        check_last_dim("x", x, self.dim, "dim")
+        if offset + x.shape[1] > self.max_len:
+            raise ValueError(
+                f"x has length {x.shape[1]} (offset {offset}) but the learned positions hold "
+                f"max_len={self.max_len}"
+            )
+        return x + self.weight[offset : offset + x.shape[1]]
+
+    def extra_repr(self) -> str:
+        return f"max_len={self.max_len}, dim={self.dim}"
+
+
+class LearnedPositionalEmbedding2d(nn.Module):
+    """Adds a learned (rows, cols) grid of positions, resampled for other grids.
+
+    The table is built for ``grid_size``; inputs on another grid get the table resampled by
+    :func:`resample_2d` (bicubic), so an image patcher built for 224 px still runs at 320 px.
+
+    Args:
+        grid_size: (rows, cols) the table is built for (an int means square).
+        dim: width of the inputs.
+        mode: interpolation mode for other grids.
+        device: parameter device.
+        dtype: parameter dtype.
+
+    Shape:
+        - x: (B, rows * cols, dim), row-major
+        - Output: same as ``x``
+
+    Raises:
+        ValueError: the length of ``x`` is not ``rows * cols`` of the given ``grid``.
+
+    Examples:
+        >>> pos = LearnedPositionalEmbedding2d((2, 2), 8)
+        >>> pos(torch.zeros(1, 12, 8), grid=(3, 4)).shape
+        torch.Size([1, 12, 8])
+    """
+
+    def __init__(
+        self,
+        grid_size: int | tuple[int, int],
+        dim: int,
+        *,
+        mode: str = "bicubic",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.grid_size = _check_grid("grid_size", grid_size)
+        self.dim = check_positive_int("dim", dim)
+        self.mode = mode
+        rows, cols = self.grid_size
+        self.weight = nn.Parameter(torch.empty(rows * cols, dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+    def table(self, grid: tuple[int, int]) -> Tensor:
+        """The (rows * cols, dim) table for ``grid``: the weight itself or its resampling."""
+        return resample_2d(self.weight, self.grid_size, _check_grid("grid", grid), mode=self.mode)
+
+    def forward(self, x: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
+        check_rank("x", x, (3,), "(batch, rows * cols, dim)")
+        check_last_dim("x", x, self.dim, "dim")
+        grid = self.grid_size if grid is None else _check_grid("grid", grid)
+        if x.shape[1] != grid[0] * grid[1]:
+            raise ValueError(
+                f"x must have length rows*cols={grid[0] * grid[1]} for grid {grid}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        return x + self.table(grid)
+
+    def extra_repr(self) -> str:
+        return f"grid_size={self.grid_size}, dim={self.dim}, mode={self.mode!r}"
+
+
+def rotary_cos_sin(
+    length: int,
+    dim: int,
+    *,
+    base: float = 10000.0,
+    offset: int = 0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""Cosines and sines of the rotary angles :math:`\theta_{p,i} = p \cdot base^{-2i/e}`.
+
+    Laid out for the "rotate half" convention: the angle of pair ``i`` sits at columns ``i``
+    and ``i + e/2``.
+
+    Args:
+        length: number of positions.
+        dim: rotated width ``e`` (even), usually the head width.
+        base: the wavelength base.
+        offset: first position.
+        device: where to build them.
+        dtype: dtype of the result.
+
+    Shape:
+        - Output: two tensors (length, dim)
+
+    Examples:
+        >>> cos, sin = rotary_cos_sin(5, 8)
+        >>> cos.shape, sin.shape
+        (torch.Size([5, 8]), torch.Size([5, 8]))
+    """
+    check_positive_int("length", length)
+    check_positive_int("dim", dim)
+    _check_even("dim", dim)
+    pos = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    angles = torch.outer(pos, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)  # (l, e)
+    dtype = dtype or torch.get_default_dtype()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    r"""Rotate pairs ``(x_i, x_{i+e/2})`` by the angles given as ``cos``/``sin``.
+
+    .. math:: \mathrm{rot}(x) = x \cos\theta + \mathrm{rotate\_half}(x) \sin\theta
+
+    Rotating queries and keys this way makes :math:`\langle q_m, k_n \rangle` depend only on
+    :math:`m - n`.
+
+    Args:
+        x: queries or keys.
+        cos: from :func:`rotary_cos_sin`, broadcast over the leading axes of ``x``.
+        sin: same.
+
+    Shape:
+        - x: (..., L, e)
+        - cos, sin: (L, e)
+        - Output: same as ``x``
+
+    Raises:
+        ValueError: ``cos``/``sin`` do not have shape (L, e).
+
+    Examples:
+        >>> cos, sin = rotary_cos_sin(5, 8)
+        >>> apply_rotary(torch.randn(2, 4, 5, 8), cos, sin).shape
+        torch.Size([2, 4, 5, 8])
+    """
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dims (..., L, e), got shape {tuple(x.shape)}")
+    want = tuple(x.shape[-2:])
+    for name, table in (("cos", cos), ("sin", sin)):
+        if tuple(table.shape) != want:
+            raise ValueError(f"{name} must have shape (L, e)={want}, got {tuple(table.shape)}")
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position encoding applied to queries or keys (no parameters).
+
+    Args:
+        dim: rotated width (the head width), even.
+        base: the wavelength base.
+
+    Shape:
+        - x: (..., L, dim), e.g. (B, H, L, dim)
+        - Output: same as ``x``
+
+    Examples:
+        >>> rope = RotaryEmbedding(8)
+        >>> rope(torch.randn(2, 4, 5, 8)).shape
+        torch.Size([2, 4, 5, 8])
+    """
+
+    def __init__(self, dim: int, *, base: float = 10000.0) -> None:
+        super().__init__()
+        check_positive_int("dim", dim)
+        _check_even("dim", dim)
+        self.dim = dim
+        self.base = base
+
+    def reset_parameters(self) -> None:
+        """Nothing to reset: the angles are fixed."""
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        if x.dim() < 2:
+            raise ValueError(f"x must have at least 2 dims (..., L, dim), got {tuple(x.shape)}")
+        check_last_dim("x", x, self.dim, "dim")
+        cos, sin = rotary_cos_sin(
+            x.shape[-2], self.dim, base=self.base, offset=offset, device=x.device, dtype=x.dtype
+        )
+        return apply_rotary(x, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}"
+

@@ -1,0 +1,158 @@
+"""``Tokens``: the common currency between adapters, attention and blocks.
+
+Axis key: ``b`` batch, ``l`` sequence length, ``d`` model width.
+
+A batch of token sequences ``x`` of shape (b, l, d) travels with a boolean ``mask`` of shape
+(b, l) where **True marks a real token** (the direction of
+``torch.nn.functional.scaled_dot_product_attention``). ``key_padding_mask`` gives the opposite
+direction that ``torch.nn.MultiheadAttention`` and our attention modules take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmattn._checks import check_rank, check_same_device, check_shape, check_tensor
+
+
+class Tokens:
+    """A padded batch of token sequences with its mask and adapter facts.
+
+    Args:
+        x: token features.
+        mask: True where a token is real, False where it is padding. ``None`` means every
+            token is real.
+        meta: facts an adapter wants to pass on (image grid, audio hop, graph batch vector,
+            modality spans). Copied shallowly.
+
+    Shape:
+        - x: (B, L, D)
+        - mask: (B, L), bool
+
+    Raises:
+        TypeError: ``x`` is not a floating tensor or ``mask`` is not bool.
+        ValueError: wrong rank, mask shape differs from (B, L), or devices differ.
+
+    Examples:
+        >>> t = Tokens(torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 0, 0], [1] * 5]).bool())
+        >>> t.batch_size, t.length, t.dim, t.lengths.tolist()
+        (2, 5, 8, [3, 5])
+        >>> t.key_padding_mask[0].tolist()
+        [False, False, False, True, True]
+    """
+
+    __slots__ = ("x", "mask", "meta")
+
+    def __init__(self, x: Tensor, mask: Tensor | None = None, meta: dict | None = None) -> None:
+        check_rank("Tokens.x", x, (3,), "(batch, length, dim)")
+        if not x.is_floating_point():
+            raise TypeError(f"Tokens.x must have a floating-point dtype, got {x.dtype}")
+        if mask is not None:
+            check_tensor("Tokens.mask", mask)
+            if mask.dtype != torch.bool:
+                raise TypeError(
+                    f"Tokens.mask must have dtype torch.bool (True = real token), got {mask.dtype}"
+                )
+            check_shape("Tokens.mask", mask, x.shape[:2], "(batch, length)")
+            check_same_device("Tokens.mask", mask, "Tokens.x", x)
+        self.x = x
+        self.mask = mask
+        self.meta: dict[str, Any] = dict(meta) if meta is not None else {}
+
+    @property
+    def batch_size(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.x.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def key_padding_mask(self) -> Tensor | None:
+        """(B, L) bool, True at padding: the ``nn.MultiheadAttention`` direction."""
+        return None if self.mask is None else ~self.mask
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) long: the number of real tokens of each sequence."""
+        if self.mask is None:
+            return torch.full((self.batch_size,), self.length, dtype=torch.long, device=self.device)
+        return self.mask.sum(dim=1)
+
+    def full_mask(self) -> Tensor:
+        """(B, L) bool mask, all True when ``mask`` is None."""
+        if self.mask is None:
+            return torch.ones(self.x.shape[:2], dtype=torch.bool, device=self.device)
+        return self.mask
+
+    def replace(self, x: Tensor | None = None, **meta: Any) -> Tokens:
+        """A new Tokens with ``x`` swapped (same mask) and ``meta`` updated."""
+        return Tokens(self.x if x is None else x, self.mask, {**self.meta, **meta})
+
+    def to(self, *args: Any, **kwargs: Any) -> Tokens:
+        """Move or cast like ``Tensor.to``; the mask follows the device, never the dtype."""
+        x = self.x.to(*args, **kwargs)
+        mask = None if self.mask is None else self.mask.to(device=x.device)
+        return Tokens(x, mask, self.meta)
+
+    @staticmethod
+    def cat(parts: Sequence[Tokens] | Mapping[str, Tokens]) -> Tokens:
+        """Concatenate along the length axis, masks and all.
+
+        Given a mapping ``{name: Tokens}``, the result's ``meta["spans"][name]`` is the
+        ``(start, stop)`` slice of that part and ``meta[name]`` its own meta.
+
+        Raises:
+            ValueError: no parts, or parts disagree on batch size, width or device.
+        """
+        named = isinstance(parts, Mapping)
+        items = list(parts.items()) if named else list(enumerate(parts))
+        if not items:
+            raise ValueError("Tokens.cat needs at least one part, got none")
+        first = items[0][1]
+        for key, part in items:
+            if not isinstance(part, Tokens):
+                raise TypeError(f"Tokens.cat part {key!r} must be Tokens, got {type(part).__name__}")
+            if (part.batch_size, part.dim) != (first.batch_size, first.dim):
+                raise ValueError(
+                    f"Tokens.cat part {key!r} has (batch, dim)={part.batch_size, part.dim}, "
+                    f"expected {first.batch_size, first.dim}"
+                )
+            check_same_device(f"Tokens.cat part {key!r}", part.x, "the first part", first.x)
+        x = torch.cat([p.x for _, p in items], dim=1)
+        mask = None
+        if any(p.mask is not None for _, p in items):
+            mask = torch.cat([p.full_mask() for _, p in items], dim=1)
+        meta: dict[str, Any] = {}
+        if named:
+            spans, start = {}, 0
+            for name, part in items:
+                spans[name] = (start, start + part.length)
+                meta[name] = part.meta
+                start += part.length
+            meta["spans"] = spans
+        return Tokens(x, mask, meta)
+
+    def __repr__(self) -> str:
+        mask = "None" if self.mask is None else f"lengths={self.lengths.tolist()}"
+        keys = sorted(self.meta)
+        return (
+            f"Tokens(x={tuple(self.x.shape)}, dtype={self.dtype}, device={self.device}, "
+            f"mask={mask}, meta_keys={keys})"
+        )
