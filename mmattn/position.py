@@ -464,4 +464,3 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}"
-

@@ -1,0 +1,260 @@
+"""Audio: ``AudioFrameEmbedder``, waveforms -> (log-mel or raw) frames -> Tokens.
+
+Axis key: ``b`` batch, ``c`` channels, ``t`` samples, ``l`` frames, ``m`` mel bins
+(or ``n_fft`` samples for the raw front end), ``d`` model width (``embed_dim``).
+
+    wave (b, t) or (b, c, t) ──mean over c──▶ (b, t) ──resample──▶ ──zero past lengths──▶
+      ──log-mel (b, l, m) or raw frames (b, l, n_fft)──▶ linear ──+ pos──▶ Tokens(x (b, l, d))
+
+Frames follow a centred STFT: frame ``l`` is centred on sample ``l * hop_length``, so a clip
+of ``T`` samples has ``1 + T // hop_length`` frames, and a clip of length ``T_i`` inside a
+padded batch has that many real frames (the mask).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from adapters._imports import require
+from adapters.base import ModalityAdapter, position_1d
+from mmattn._checks import check_positive_int, check_rank, check_tensor
+from mmattn.tokens import Tokens
+
+__all__ = ["AudioFrameEmbedder", "num_frames"]
+
+FRONTENDS = ("mel", "raw")
+
+
+def num_frames(num_samples: int | Tensor, hop_length: int) -> int | Tensor:
+    """Frames of a centred STFT over ``num_samples`` samples: ``1 + num_samples // hop``.
+
+    Examples:
+        >>> num_frames(16000, 160)
+        101
+    """
+    return 1 + num_samples // hop_length
+
+
+def _resampled_length(lengths: Tensor, orig: int, new: int) -> Tensor:
+    """torchaudio's resampled length, ``ceil(T * new / orig)``, in exact integers."""
+    return (lengths * new + orig - 1) // orig
+
+
+class AudioFrameEmbedder(ModalityAdapter):
+    r"""Waveforms to frame tokens through a torchaudio log-mel (or a raw-frame) front end.
+
+    Front ends, both on ``1 + T // hop_length`` frames centred on samples ``l * hop_length``:
+
+    - ``"mel"``: ``torchaudio.functional.spectrogram`` (Hann window of ``n_fft``, power 2,
+      ``center=True``, reflect padding) -> ``melscale_fbanks`` (HTK, ``n_mels`` bins) ->
+      ``amplitude_to_DB`` (10 log10, floor 1e-10, no ``top_db`` so that clips never depend on
+      each other); features (B, L, n_mels).
+    - ``"raw"``: the waveform zero-padded by ``n_fft // 2`` at both ends and cut into windows
+      of ``n_fft`` samples every ``hop_length``; features (B, L, n_fft).
+
+    Then a linear projection to ``embed_dim`` and a 1D position encoding. The front end runs
+    in float32 whatever the module's dtype (the projection's input is cast to it).
+
+    Multi-channel input (B, C, T) is mixed down by the mean over channels. Input at another
+    ``input_rate`` is resampled with ``torchaudio.functional.resample`` and its lengths become
+    ``ceil(length * sample_rate / input_rate)``. Samples past a clip's length are zeroed.
+
+    Mask: clip ``i`` of ``lengths[i]`` samples has ``1 + lengths[i] // hop_length`` real
+    frames. Those frames equal the clip run alone, except for the **edge frames** whose
+    window reaches past the clip's end (frames ``l > (lengths[i] - n_fft // 2) // hop``, at
+    most ``ceil(n_fft / 2 / hop)`` of them): alone, the mel front end reflects the clip's
+    own samples there, in the batch it sees zeros. The raw front end pads with zeros both
+    ways, so all its real frames are equal.
+
+    Args:
+        embed_dim: token width ``D``.
+        sample_rate: the rate the model works at.
+        n_mels: mel bins (mel front end).
+        n_fft: window and FFT size in samples, even (25 ms at 16 kHz by default).
+        hop_length: frame step in samples (10 ms at 16 kHz).
+        frontend: "mel" (needs torchaudio) or "raw".
+        positional: "sinusoidal", "learned" (up to ``max_frames``) or None.
+        max_frames: longest sequence for ``positional="learned"``.
+        device: parameter device.
+        dtype: parameter dtype; the tokens come out in it.
+
+    Shape:
+        - waveform: (B, T) or (B, C, T), floating
+        - lengths: (B,) integer, 1 <= lengths <= T (at ``input_rate``)
+        - Output: ``Tokens`` x (B, 1 + T' // hop_length, D), mask (B, L); meta
+          ``hop_length``, ``sample_rate``, ``n_fft``
+
+    Raises:
+        TypeError: ``waveform`` not floating; ``lengths`` not integer.
+        ValueError: wrong rank; ``lengths`` of the wrong shape, below 1 or above T.
+        ImportError: torchaudio is missing (``pip install "mmattn[audio]"``) for the mel front
+            end or for resampling.
+
+    Examples:
+        >>> audio = AudioFrameEmbedder(32, sample_rate=16000, n_mels=40)
+        >>> out = audio(torch.randn(2, 16000), lengths=torch.tensor([16000, 8000]))
+        >>> out.x.shape, out.lengths.tolist()
+        (torch.Size([2, 101, 32]), [101, 51])
+    """
+
+    modality = "audio"
+
+    def __init__(
+        self,
+        embed_dim: int,
+        sample_rate: int = 16000,
+        n_mels: int = 80,
+        n_fft: int = 400,
+        hop_length: int = 160,
+        frontend: str = "mel",
+        positional: str | None = "sinusoidal",
+        max_frames: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(embed_dim)
+        self.sample_rate = check_positive_int("sample_rate", sample_rate)
+        self.n_mels = check_positive_int("n_mels", n_mels)
+        self.n_fft = check_positive_int("n_fft", n_fft, minimum=2)
+        if n_fft % 2:
+            raise ValueError(f"n_fft must be even (frames are centred on samples), got {n_fft}")
+        self.hop_length = check_positive_int("hop_length", hop_length)
+        if frontend not in FRONTENDS:
+            raise ValueError(f"frontend must be one of {FRONTENDS}, got {frontend!r}")
+        if frontend == "mel":
+            require("torchaudio", "AudioFrameEmbedder(frontend='mel')")
+        self.frontend = frontend
+        self.positional = positional
+        self.max_frames = max_frames
+        features = n_mels if frontend == "mel" else n_fft
+        self.proj = nn.Linear(features, embed_dim, device=device, dtype=dtype)
+        self.position = position_1d(positional, embed_dim, max_frames, device=device, dtype=dtype)
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.proj.reset_parameters()
+        if hasattr(self.position, "reset_parameters"):
+            self.position.reset_parameters()
+
+    # --------------------------------------------------------------------- front ends
+    def _mel_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Hann window and mel filterbank in float32, built once per device."""
+        if device not in self._tables:
+            taf = require("torchaudio.functional", "AudioFrameEmbedder")
+            window = torch.hann_window(self.n_fft, device=device)
+            fbanks = taf.melscale_fbanks(
+                self.n_fft // 2 + 1, 0.0, self.sample_rate / 2, self.n_mels, self.sample_rate
+            ).to(device)
+            self._tables[device] = (window, fbanks)
+        return self._tables[device]
+
+    def features(self, waveform: Tensor) -> Tensor:
+        """The front end on mono float32 (B, T) audio at ``sample_rate``: (B, L, features)."""
+        if self.frontend == "raw":
+            half = self.n_fft // 2
+            padded = F.pad(waveform, (half, half))
+            frames = padded.unfold(-1, self.n_fft, self.hop_length)  # (b, l, n_fft)
+            return frames[:, : num_frames(waveform.shape[-1], self.hop_length)]
+        taf = require("torchaudio.functional", "AudioFrameEmbedder")
+        window, fbanks = self._mel_tables(waveform.device)
+        power = taf.spectrogram(
+            waveform,
+            pad=0,
+            window=window,
+            n_fft=self.n_fft,
+            hop_length=self.hop_length,
+            win_length=self.n_fft,
+            power=2.0,
+            normalized=False,
+            center=True,
+            pad_mode="reflect",
+        )  # (b, freq, l)
+        mel = torch.einsum("bfl,fm->blm", power, fbanks)
+        return taf.amplitude_to_DB(mel, 10.0, 1e-10, 0.0, None)
+
+    # ----------------------------------------------------------------------- checks
+    def _check(self, waveform: Tensor, lengths: Tensor | None, input_rate: int | None):
+        check_tensor("waveform", waveform)
+        check_rank("waveform", waveform, (2, 3), "(batch, time) or (batch, channels, time)")
+        if not waveform.is_floating_point():
+            raise TypeError(f"waveform must have a floating-point dtype, got {waveform.dtype}")
+        if input_rate is not None:
+            check_positive_int("input_rate", input_rate)
+        if lengths is None:
+            return
+        check_tensor("lengths", lengths)
+        if lengths.is_floating_point() or lengths.dtype == torch.bool:
+            raise TypeError(f"lengths must have an integer dtype, got {lengths.dtype}")
+        if tuple(lengths.shape) != (waveform.shape[0],):
+            raise ValueError(
+                f"lengths must have shape (batch,)=({waveform.shape[0]},), got "
+                f"{tuple(lengths.shape)}"
+            )
+        if lengths.numel() and not torch.compiler.is_compiling():
+            low, high = int(lengths.min()), int(lengths.max())
+            if low < 1 or high > waveform.shape[-1]:
+                raise ValueError(
+                    f"lengths must lie in [1, T={waveform.shape[-1]}] (samples of waveform), "
+                    f"got values in [{low}, {high}]"
+                )
+
+    def forward(
+        self, waveform: Tensor, lengths: Tensor | None = None, input_rate: int | None = None
+    ) -> Tokens:
+        """Embed a batch of clips.
+
+        Args:
+            waveform: the clips, padded at the end to a common length.
+            lengths: samples of each clip (at ``input_rate``); None means all full length.
+            input_rate: rate of ``waveform``; None means ``sample_rate``.
+        """
+        self._check(waveform, lengths, input_rate)
+        dtype, device = self._param_dtype_device()
+        wave = waveform.to(device=device, dtype=torch.float32)
+        if wave.dim() == 3:
+            wave = wave.mean(dim=1)  # mix down: (b, c, t) -> (b, t)
+        if lengths is not None:
+            lengths = lengths.to(device=device, dtype=torch.long)
+        rate = self.sample_rate if input_rate is None else input_rate
+        if rate != self.sample_rate:
+            taf = require("torchaudio.functional", "AudioFrameEmbedder resampling")
+            wave = taf.resample(wave, rate, self.sample_rate)
+            if lengths is not None:
+                lengths = _resampled_length(lengths, rate, self.sample_rate)
+        if lengths is not None:  # nothing past a clip's end may leak into its frames
+            keep = torch.arange(wave.shape[-1], device=device) < rearrange(lengths, "b -> b 1")
+            wave = wave * keep
+        feats = self.features(wave)  # (b, l, features), float32
+        x = self.position(self.proj(feats.to(dtype)))
+        mask = None
+        if lengths is not None:
+            frames = num_frames(lengths, self.hop_length)
+            mask = torch.arange(x.shape[1], device=device) < rearrange(frames, "b -> b 1")
+        meta = {
+            "modality": self.modality,
+            "hop_length": self.hop_length,
+            "n_fft": self.n_fft,
+            "sample_rate": self.sample_rate,
+            "frame_rate": self.sample_rate / self.hop_length,
+        }
+        return Tokens(x, mask, meta)
+
+    def edge_frames(self) -> int:
+        """At most this many last real frames of a padded clip may differ from it alone."""
+        if self.frontend == "raw":
+            return 0
+        return math.ceil(self.n_fft / 2 / self.hop_length)
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, sample_rate={self.sample_rate}, n_mels={self.n_mels}, "
+            f"n_fft={self.n_fft}, hop_length={self.hop_length}, frontend={self.frontend!r}, "
+            f"positional={self.positional!r}"
+        )

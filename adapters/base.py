@@ -1,0 +1,138 @@
+"""``ModalityAdapter``: the base class every adapter derives from, and the registry.
+
+Axis key: ``b`` batch, ``l`` token sequence length, ``d`` model width (``embed_dim``).
+
+An adapter turns one modality's raw input into ``Tokens(x (b, l, d), mask (b, l))`` with
+``mask`` True at real tokens. Defining a subclass with a ``modality`` name registers it, so
+``create("image", embed_dim=64)`` builds it by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from mmattn._checks import check_positive_int
+from mmattn.position import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from mmattn.tokens import Tokens
+
+__all__ = ["ModalityAdapter", "available", "create"]
+
+_REGISTRY: dict[str, type[ModalityAdapter]] = {}
+
+
+class ModalityAdapter(nn.Module):
+    """Base class of the adapters: a module from raw input to :class:`mmattn.tokens.Tokens`.
+
+    A subclass sets the class attribute ``modality`` (a short lower-case name), calls
+    ``super().__init__(embed_dim)`` and returns ``Tokens`` with ``x`` of shape
+    (B, L, embed_dim) from ``forward``. Defining the subclass registers it under its
+    ``modality``; pass ``register=False`` in the class statement to opt out (for abstract
+    intermediates, or a throwaway class in a notebook).
+
+    Args:
+        embed_dim: width ``D`` of the tokens.
+
+    Raises:
+        TypeError / ValueError: ``embed_dim`` is not a positive int.
+
+    Examples:
+        >>> class Scalar(ModalityAdapter):
+        ...     modality = "scalar_doc"
+        ...     def __init__(self, embed_dim):
+        ...         super().__init__(embed_dim)
+        ...         self.proj = nn.Linear(1, embed_dim)
+        ...     def forward(self, values):  # (B, L) floats
+        ...         return Tokens(self.proj(values.unsqueeze(-1)))
+        >>> "scalar_doc" in available()
+        True
+        >>> create("scalar_doc", embed_dim=8)(torch.randn(2, 3)).x.shape
+        torch.Size([2, 3, 8])
+    """
+
+    modality: ClassVar[str]
+
+    def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("modality")
+        if not register or name is None:
+            return
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{cls.__qualname__}.modality must be a non-empty str, got {name!r}")
+        previous = _REGISTRY.get(name)
+        same = previous is not None and (previous.__module__, previous.__qualname__) == (
+            cls.__module__,
+            cls.__qualname__,
+        )
+        if previous is not None and not same:
+            raise ValueError(
+                f"modality {name!r} is already registered by "
+                f"{previous.__module__}.{previous.__qualname__}; pick another name"
+            )
+        _REGISTRY[name] = cls  # a redefinition of the same class replaces it
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__()
+        self.embed_dim = check_positive_int("embed_dim", embed_dim)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tokens:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+
+    def _param_dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        """dtype and device of the module's first parameter (the tokens follow them)."""
+        param = next(self.parameters())
+        return param.dtype, param.device
+
+
+def available() -> list[str]:
+    """Sorted names of the registered modalities.
+
+    Examples:
+        >>> {"audio", "graph", "image", "text"} <= set(available())
+        True
+    """
+    return sorted(_REGISTRY)
+
+
+def create(name: str, **kwargs: Any) -> ModalityAdapter:
+    """Build the adapter registered as ``name`` with ``kwargs``.
+
+    Args:
+        name: a modality name from :func:`available`.
+        **kwargs: the adapter's constructor arguments.
+
+    Raises:
+        ValueError: no adapter is registered under ``name``.
+        ImportError: the adapter's library is missing (the message names the pip extra).
+
+    Examples:
+        >>> create("text", vocab_size=259, embed_dim=16).embed_dim
+        16
+    """
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"name must be one of the registered modalities {available()}, got {name!r}"
+        )
+    return _REGISTRY[name](**kwargs)
+
+
+def position_1d(
+    kind: str | None,
+    dim: int,
+    max_len: int | None,
+    *,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+) -> nn.Module:
+    """The additive 1D position module for ``kind`` in {"sinusoidal", "learned", None}."""
+    if kind is None:
+        return nn.Identity()
+    if kind == "sinusoidal":
+        return SinusoidalPositionalEncoding(dim)
+    if kind == "learned":
+        if max_len is None:
+            raise ValueError("max_len must be given when positional='learned'")
+        return LearnedPositionalEmbedding(max_len, dim, device=device, dtype=dtype)
+    raise ValueError(f"positional must be 'sinusoidal', 'learned' or None, got {kind!r}")

@@ -1,0 +1,359 @@
+"""Graphs: ``GraphNodeSequencer`` (a torch_geometric batch -> padded node tokens) and the
+neighbourhood attention mask.
+
+Axis key: ``n`` nodes of the whole batch (N_total), ``f`` node feature width
+(``in_channels``), ``b`` graphs, ``i``/``j`` query/key node slots (N_max, the largest graph),
+``d`` model width (``embed_dim``), ``h`` heads, ``k`` Laplacian eigenvectors.
+
+    Data / Batch: x (n, f), edge_index (2, E), batch (n,)
+      ──linear (+ degree / Laplacian encodings)──▶ (n, d)
+      ──to_dense_batch──▶ Tokens(x (b, i, d), mask (b, i))  ──to_nodes──▶ (n, d)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from einops import rearrange, repeat
+from torch import Tensor, nn
+
+from adapters._imports import require
+from adapters.base import ModalityAdapter
+from mmattn._checks import check_positive_int, check_rank, check_tensor
+from mmattn.tokens import Tokens
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch_geometric.data import Data
+
+__all__ = ["GraphNodeSequencer", "laplacian_eigenvectors", "neighbourhood_mask"]
+
+STRUCTURAL = ("degree", "laplacian")
+_PAD_EIGENVALUE = 10.0  # above the normalized Laplacian's spectrum [0, 2]
+
+
+def _pyg(what: str):
+    return require("torch_geometric", what)
+
+
+def _check_edge_index(edge_index: object) -> Tensor:
+    check_tensor("edge_index", edge_index)
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(
+            f"edge_index must have shape (2, num_edges), got {tuple(edge_index.shape)}"
+        )
+    if edge_index.is_floating_point() or edge_index.dtype == torch.bool:
+        raise TypeError(f"edge_index must have an integer dtype, got {edge_index.dtype}")
+    return edge_index
+
+
+def neighbourhood_mask(
+    edge_index: Tensor,
+    batch: Tensor | None = None,
+    num_hops: int = 1,
+    *,
+    num_heads: int | None = None,
+    max_num_nodes: int | None = None,
+    batch_size: int | None = None,
+) -> Tensor:
+    r"""k-hop neighbourhood attention mask, **True = not allowed** (the module direction).
+
+    Query node ``i`` may attend key node ``j`` of the same graph iff there is a path of at
+    most ``num_hops`` edges from ``j`` to ``i`` (messages flow ``source -> target`` as in
+    torch_geometric; give both directions for an undirected graph). Every node may attend
+    itself, so no row is fully masked; padded slots may attend only themselves and no real
+    node may attend a padded slot.
+
+    Args:
+        edge_index: edges ``(source, target)`` with global node ids.
+        batch: graph id of every node (sorted); None means one graph whose size is
+            ``max_num_nodes`` or, without it, ``edge_index.max() + 1``.
+        num_hops: ``k``, the path length allowed.
+        num_heads: when given, repeat the mask per head to (B * num_heads, N_max, N_max),
+            batch-major, the layout ``attn_mask`` of the attention modules and of
+            ``torch.nn.MultiheadAttention`` takes.
+        max_num_nodes: ``N_max`` (default: the largest graph).
+        batch_size: number of graphs (default: ``batch.max() + 1``).
+
+    Shape:
+        - edge_index: (2, E)
+        - batch: (N_total,)
+        - Output: (B, N_max, N_max) bool, or (B * num_heads, N_max, N_max)
+
+    Raises:
+        TypeError / ValueError: bad ``edge_index`` shape or dtype, non-positive ``num_hops``.
+        ImportError: torch_geometric is missing.
+
+    Examples:
+        >>> edge_index = torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]])  # a path 0 - 1 - 2
+        >>> (~neighbourhood_mask(edge_index, num_hops=1))[0].int().tolist()
+        [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
+    """
+    utils = require("torch_geometric.utils", "neighbourhood_mask")
+    _check_edge_index(edge_index)
+    check_positive_int("num_hops", num_hops)
+    adj = utils.to_dense_adj(edge_index, batch, max_num_nodes=max_num_nodes, batch_size=batch_size)
+    step = rearrange(adj, "b j i -> b i j") > 0  # adj[b, source, target]; query = target
+    step = step | torch.eye(step.shape[-1], dtype=torch.bool, device=step.device)
+    reach, step_f = step, step.float()
+    for _ in range(num_hops - 1):
+        reach = (reach.float() @ step_f) > 0
+    blocked = ~reach
+    if num_heads is not None:
+        check_positive_int("num_heads", num_heads)
+        blocked = repeat(blocked, "b i j -> (b h) i j", h=num_heads)
+    return blocked
+
+
+def laplacian_eigenvectors(
+    edge_index: Tensor,
+    batch: Tensor | None,
+    k: int,
+    *,
+    max_num_nodes: int | None = None,
+    batch_size: int | None = None,
+) -> Tensor:
+    r"""The ``k`` eigenvectors after the first of each graph's normalized Laplacian.
+
+    :math:`L = I - D^{-1/2} A D^{-1/2}` of the symmetrized graph, one dense ``eigh`` for the
+    whole batch in float32 (padded slots get eigenvalue 10, outside the graphs' spectrum
+    [0, 2], so they never mix into a graph's eigenvectors). The sign of each eigenvector is
+    fixed so that its largest-magnitude entry is positive. Graphs with ``N <= k`` nodes get
+    zeros for the missing eigenvectors.
+
+    Shape:
+        - Output: (B, N_max, k), zero on padded slots
+
+    Examples:
+        >>> edge_index = torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]])
+        >>> laplacian_eigenvectors(edge_index, None, 2).shape
+        torch.Size([1, 3, 2])
+    """
+    utils = require("torch_geometric.utils", "laplacian_eigenvectors")
+    _check_edge_index(edge_index)
+    check_positive_int("k", k)
+    adj = utils.to_dense_adj(edge_index, batch, max_num_nodes=max_num_nodes, batch_size=batch_size)
+    adj = ((adj + rearrange(adj, "b i j -> b j i")) > 0).float()
+    adj = adj * ~torch.eye(adj.shape[-1], dtype=torch.bool, device=adj.device)
+    if batch is None:
+        batch = torch.zeros(adj.shape[-1], dtype=torch.long, device=adj.device)
+    counts = torch.bincount(batch, minlength=adj.shape[0])
+    real = torch.arange(adj.shape[-1], device=adj.device) < counts[:, None]  # (b, i)
+    deg = adj.sum(-1)
+    dinv = torch.where(deg > 0, deg.clamp_min(1e-12).rsqrt(), torch.zeros_like(deg))
+    lap = -rearrange(dinv, "b i -> b i 1") * adj * rearrange(dinv, "b j -> b 1 j")
+    diag = torch.where(real, 1.0, _PAD_EIGENVALUE)
+    lap = lap + torch.diag_embed(diag)
+    _, vectors = torch.linalg.eigh(lap)  # ascending eigenvalues; columns are eigenvectors
+    vectors = vectors[..., 1 : k + 1]
+    peak = vectors.abs().argmax(dim=1, keepdim=True)
+    sign = torch.sign(vectors.gather(1, peak))
+    vectors = vectors * torch.where(sign == 0, 1.0, sign)
+    vectors = vectors * rearrange(real, "b i -> b i 1")  # padded-slot vectors are zero on real
+    if vectors.shape[-1] < k:  # fewer slots than k: pad with zero columns
+        vectors = torch.nn.functional.pad(vectors, (0, k - vectors.shape[-1]))
+    return vectors
+
+
+class GraphNodeSequencer(ModalityAdapter):
+    r"""A torch_geometric ``Data``/``Batch`` to padded node tokens with a mask.
+
+    Node features are projected, optional structural encodings are added, and the nodes are
+    laid out per graph with ``torch_geometric.utils.to_dense_batch``:
+
+    .. math:: h_n = W x_n + b \;[+\, E_{\deg}[\min(\deg_n, \mathrm{max\_degree})]]
+        \;[+\, W_{\mathrm{lap}} \phi_n]
+
+    Node ``n`` of graph ``g`` lands at ``x[g, n - ptr[g]]``; :meth:`to_nodes` is the exact
+    inverse (same node order). For attention that follows the graph, pass
+    :meth:`neighbourhood_mask` as ``attn_mask``.
+
+    Args:
+        in_channels: node feature width ``F`` (``data.x.shape[1]``).
+        embed_dim: token width ``D``.
+        structural: any of "degree" (in-degree embedding) and "laplacian" (normalized
+            Laplacian eigenvectors, see :func:`laplacian_eigenvectors`).
+        max_degree: in-degrees above it share the last degree embedding.
+        num_eigenvectors: ``k`` for "laplacian".
+        bias: bias of the projection.
+        device: parameter device.
+        dtype: parameter dtype; the tokens come out in it.
+
+    Shape:
+        - data.x: (N_total, F); data.edge_index: (2, E); data.batch: (N_total,) sorted
+        - Output: ``Tokens`` x (B, N_max, D), mask (B, N_max), meta ``batch``, ``num_nodes``,
+          ``num_graphs``
+
+    Raises:
+        TypeError: ``data`` is not a torch_geometric ``Data``; ``x`` is not floating.
+        ValueError: ``data.x`` missing, not 2-D or of the wrong width; unsorted ``batch``.
+        ImportError: torch_geometric is missing (``pip install "mmattn[graph]"``).
+
+    Examples:
+        >>> from torch_geometric.data import Batch, Data
+        >>> graphs = [Data(x=torch.randn(n, 4), edge_index=torch.empty(2, 0, dtype=torch.long))
+        ...           for n in (3, 5)]
+        >>> seq = GraphNodeSequencer(4, 16)
+        >>> out = seq(Batch.from_data_list(graphs))
+        >>> out.x.shape, out.lengths.tolist(), seq.to_nodes(out).shape
+        (torch.Size([2, 5, 16]), [3, 5], torch.Size([8, 16]))
+    """
+
+    modality = "graph"
+
+    def __init__(
+        self,
+        in_channels: int,
+        embed_dim: int,
+        *,
+        structural: Sequence[str] = (),
+        max_degree: int = 32,
+        num_eigenvectors: int = 8,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(embed_dim)
+        _pyg("GraphNodeSequencer")
+        self.in_channels = check_positive_int("in_channels", in_channels)
+        if isinstance(structural, str):
+            structural = (structural,)
+        unknown = [s for s in structural if s not in STRUCTURAL]
+        if unknown:
+            raise ValueError(f"structural must hold names from {STRUCTURAL}, got {unknown}")
+        self.structural = tuple(structural)
+        self.max_degree = check_positive_int("max_degree", max_degree, minimum=0)
+        self.num_eigenvectors = check_positive_int("num_eigenvectors", num_eigenvectors)
+        self.proj = nn.Linear(in_channels, embed_dim, bias=bias, device=device, dtype=dtype)
+        self.degree_embedding = (
+            nn.Embedding(max_degree + 1, embed_dim, device=device, dtype=dtype)
+            if "degree" in self.structural
+            else None
+        )
+        self.laplacian_proj = (
+            nn.Linear(num_eigenvectors, embed_dim, bias=False, device=device, dtype=dtype)
+            if "laplacian" in self.structural
+            else None
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.proj.reset_parameters()
+        if self.degree_embedding is not None:
+            nn.init.normal_(self.degree_embedding.weight, std=0.02)
+        if self.laplacian_proj is not None:
+            self.laplacian_proj.reset_parameters()
+
+    def _unpack(self, data: Data) -> tuple[Tensor, Tensor, Tensor, int | None]:
+        """x, edge_index, batch (zeros for a single graph) and the number of graphs."""
+        pyg = _pyg("GraphNodeSequencer")
+        if not isinstance(data, pyg.data.Data):
+            raise TypeError(
+                f"data must be a torch_geometric Data or Batch, got {type(data).__name__}"
+            )
+        x = getattr(data, "x", None)
+        if x is None:
+            raise ValueError("data.x must hold the node features (N, in_channels), got None")
+        check_rank("data.x", x, (2,), "(num_nodes, in_channels)")
+        if not x.is_floating_point():
+            raise TypeError(f"data.x must have a floating-point dtype, got {x.dtype}")
+        if x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"data.x must have in_channels={self.in_channels} columns, got shape "
+                f"{tuple(x.shape)}"
+            )
+        edge_index = getattr(data, "edge_index", None)
+        if edge_index is None:
+            edge_index = torch.empty(2, 0, dtype=torch.long, device=x.device)
+        _check_edge_index(edge_index)
+        batch = getattr(data, "batch", None)
+        if batch is None:
+            return x, edge_index, torch.zeros(x.shape[0], dtype=torch.long, device=x.device), 1
+        check_rank("data.batch", batch, (1,), "(num_nodes,)")
+        if batch.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"data.batch must have num_nodes={x.shape[0]} entries, got {batch.shape[0]}"
+            )
+        if not isinstance(data, pyg.data.Batch) and bool((batch[1:] < batch[:-1]).any()):
+            raise ValueError("data.batch must be sorted (as Batch.from_data_list makes it)")
+        return x, edge_index, batch, getattr(data, "num_graphs", None)
+
+    def _structural(
+        self, x: Tensor, edge_index: Tensor, batch: Tensor, num_graphs: int | None
+    ) -> Tensor | None:
+        extra = None
+        if self.degree_embedding is not None:
+            utils = _pyg("GraphNodeSequencer")
+            deg = utils.utils.degree(edge_index[1], x.shape[0], dtype=torch.long)
+            extra = self.degree_embedding(deg.clamp_max(self.max_degree))
+        if self.laplacian_proj is not None:
+            vectors = laplacian_eigenvectors(
+                edge_index, batch, self.num_eigenvectors, batch_size=num_graphs
+            )
+            counts = torch.bincount(batch, minlength=vectors.shape[0])
+            ptr = torch.cumsum(counts, 0) - counts
+            slot = torch.arange(x.shape[0], device=x.device) - ptr[batch]
+            lap = self.laplacian_proj(vectors[batch, slot].to(self.laplacian_proj.weight.dtype))
+            extra = lap if extra is None else extra + lap
+        return extra
+
+    def forward(self, data: Data) -> Tokens:
+        pyg = _pyg("GraphNodeSequencer")
+        x, edge_index, batch, num_graphs = self._unpack(data)
+        dtype, device = self._param_dtype_device()
+        h = self.proj(x.to(device=device, dtype=dtype))
+        if self.structural:
+            h = h + self._structural(x, edge_index, batch, num_graphs)
+        dense, mask = pyg.utils.to_dense_batch(h, batch, batch_size=num_graphs)
+        meta = {
+            "modality": self.modality,
+            "batch": batch,
+            "num_nodes": x.shape[0],
+            "num_graphs": dense.shape[0],
+        }
+        return Tokens(dense, mask, meta)
+
+    def to_nodes(self, tokens: Tokens) -> Tensor:
+        """Back from padded tokens to one row per node, in the original node order.
+
+        The exact inverse of the layout of :meth:`forward`: ``to_nodes(self(data))[n]`` is
+        node ``n``'s token, and it works on any width (e.g. after attention blocks).
+
+        Shape:
+            - tokens.x: (B, N_max, D')
+            - Output: (N_total, D')
+
+        Raises:
+            TypeError: ``tokens`` is not ``Tokens``.
+            ValueError: the mask's real count differs from ``meta["num_nodes"]``.
+        """
+        if not isinstance(tokens, Tokens):
+            raise TypeError(f"tokens must be Tokens, got {type(tokens).__name__}")
+        nodes = tokens.x[tokens.full_mask()]
+        expected = tokens.meta.get("num_nodes")
+        if expected is not None and nodes.shape[0] != expected:
+            raise ValueError(
+                f"tokens mask has {nodes.shape[0]} real slots but meta['num_nodes']={expected}"
+            )
+        return nodes
+
+    def neighbourhood_mask(
+        self, data: Data, num_hops: int = 1, *, num_heads: int | None = None
+    ) -> Tensor:
+        """:func:`neighbourhood_mask` for ``data``, laid out like this module's tokens.
+
+        Shape:
+            - Output: (B, N_max, N_max), or (B * num_heads, N_max, N_max); True = not allowed
+        """
+        _, edge_index, batch, num_graphs = self._unpack(data)
+        return neighbourhood_mask(
+            edge_index, batch, num_hops, num_heads=num_heads, batch_size=num_graphs
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_channels={self.in_channels}, embed_dim={self.embed_dim}, "
+            f"structural={self.structural}, max_degree={self.max_degree}, "
+            f"num_eigenvectors={self.num_eigenvectors}"
+        )
