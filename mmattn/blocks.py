@@ -1,0 +1,420 @@
+"""Transformer blocks that take and return :class:`~mmattn.tokens.Tokens`.
+
+Axis key: ``b`` batch, ``i`` query length, ``j`` key (context) length, ``d`` model width,
+``h`` heads.
+
+Every block is pre-norm (``x + f(norm(x))``) and respects ``Tokens.mask`` end to end: padded
+keys are never attended, padded positions are zeroed on entry and on exit, so changing the
+values at padded positions never moves a real output, and padded outputs are exactly 0.
+
+- :class:`TransformerBlock` — self-attention ("full" :class:`~mmattn.MultiHeadAttention` or
+  "local" :class:`~mmattn.local.LocalAttention`) and an MLP.
+- :class:`CrossAttentionBlock` — query Tokens attend context Tokens, then an MLP.
+- :class:`Encoder` — a stack of :class:`TransformerBlock` and a final LayerNorm.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import repeat
+from torch import Tensor, nn
+
+from mmattn import _checks as checks
+from mmattn.attention import CrossAttention, MultiHeadAttention
+from mmattn.tokens import Tokens
+
+__all__ = ["TransformerBlock", "CrossAttentionBlock", "Encoder", "MLP"]
+
+_ATTENTION_KINDS = ("full", "local")
+
+
+def check_tokens(
+    name: str, value: object, dim: int | None = None, what: str = "embed_dim"
+) -> Tokens:
+    """Raise TypeError unless ``value`` is Tokens, ValueError unless its width is ``dim``."""
+    if not isinstance(value, Tokens):
+        raise TypeError(f"{name} must be mmattn.Tokens, got {type(value).__name__}")
+    if dim is not None and value.dim != dim:
+        raise ValueError(
+            f"{name} must have width {what}={dim}, got Tokens of shape {tuple(value.x.shape)}"
+        )
+    return value
+
+
+def zero_padding(tokens: Tokens, x: Tensor | None = None) -> Tensor:
+    """``x`` (default ``tokens.x``) with the rows at padded positions set to exactly 0."""
+    x = tokens.x if x is None else x
+    if tokens.mask is None:
+        return x
+    return torch.where(tokens.mask[..., None], x, x.new_zeros(()))
+
+
+def block_attn_mask(
+    attn_mask: Tensor | None, batch_size: int, num_heads: int, q_len: int, k_len: int
+) -> Tensor | None:
+    """Accept a module-direction mask of shape (i, j), (b, i, j) or (b*h, i, j).
+
+    A per-sample (b, i, j) mask is repeated for every head, as ``nn.MultiheadAttention``
+    wants (b*h, i, j). Masks of other shapes raise ValueError naming ``attn_mask``.
+    """
+    if attn_mask is None:
+        return None
+    checks.check_tensor("attn_mask", attn_mask)
+    checks.check_mask_dtype("attn_mask", attn_mask)
+    shape = tuple(attn_mask.shape)
+    if shape in ((q_len, k_len), (batch_size * num_heads, q_len, k_len)):
+        return attn_mask
+    if shape == (batch_size, q_len, k_len):
+        return repeat(attn_mask, "b i j -> (b h) i j", h=num_heads)
+    raise ValueError(
+        f"attn_mask must have shape {(q_len, k_len)}, {(batch_size, q_len, k_len)} or "
+        f"{(batch_size * num_heads, q_len, k_len)} (True = not allowed), got {shape}"
+    )
+
+
+class MLP(nn.Sequential):
+    """The position-wise feed-forward network: Linear → GELU → Dropout → Linear → Dropout.
+
+    Args:
+        embed_dim: input and output width D.
+        hidden_dim: inner width.
+        dropout: dropout probability after the activation and after the output.
+        bias: biases on both linear layers.
+        device, dtype: factory arguments.
+
+    Shape:
+        - input: (..., D); returns (..., D)
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        hidden_dim: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        factory = {"device": device, "dtype": dtype}
+        super().__init__(
+            nn.Linear(embed_dim, hidden_dim, bias=bias, **factory),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden_dim, embed_dim, bias=bias, **factory),
+            nn.Dropout(dropout),
+        )
+
+    def reset_parameters(self) -> None:
+        self[0].reset_parameters()
+        self[3].reset_parameters()
+
+
+def _check_common(embed_dim: object, num_heads: object, dropout: object, mlp_ratio: object):
+    checks.check_positive_int("embed_dim", embed_dim)
+    checks.check_positive_int("num_heads", num_heads)
+    checks.check_probability("dropout", dropout)
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)):
+        raise TypeError(f"mlp_ratio must be a number, got {type(mlp_ratio).__name__}")
+    if mlp_ratio <= 0:
+        raise ValueError(f"mlp_ratio must be > 0, got {mlp_ratio}")
+    return max(1, round(embed_dim * mlp_ratio))
+
+
+class TransformerBlock(nn.Module):
+    r"""Pre-norm transformer block on Tokens: self-attention then an MLP, both residual.
+
+    .. math::
+        x' = x + \mathrm{Attn}(\mathrm{LN}_1(x)), \qquad y = x' + \mathrm{MLP}(\mathrm{LN}_2(x'))
+
+    Attention never looks at padded keys (``tokens.key_padding_mask``); padded positions are
+    zeroed on entry and exit, so the output at a padded position is exactly 0 and the values
+    stored there never reach a real token.
+
+    Args:
+        embed_dim: model width D.
+        num_heads: attention heads H; must divide ``embed_dim``.
+        dropout: dropout on the attention weights and in the MLP.
+        bias: biases in the attention projections and the MLP.
+        mlp_ratio: MLP hidden width as a multiple of ``embed_dim``.
+        attention: "full" (:class:`~mmattn.MultiHeadAttention`) or "local"
+            (:class:`~mmattn.local.LocalAttention`, query i sees keys within
+            ``window_size``).
+        window_size: the local window; required when ``attention="local"``.
+        causal: query i sees only keys j <= i.
+        norm_eps: LayerNorm epsilon.
+        device, dtype: factory arguments.
+
+    Shape:
+        - tokens: Tokens with x (B, L, D), mask (B, L)
+        - attn_mask: module direction (True = not allowed) or additive, (L, L), (B, L, L)
+          or (B * H, L, L)
+        - returns: Tokens with x (B, L, D), the same mask and meta
+
+    Raises:
+        TypeError: ``tokens`` is not Tokens; bad argument types.
+        ValueError: ``tokens`` width differs from ``embed_dim``; unknown ``attention``;
+            ``window_size`` missing for "local"; ``attn_mask`` of the wrong shape.
+
+    Examples:
+        >>> block = TransformerBlock(embed_dim=16, num_heads=2)
+        >>> t = Tokens(torch.randn(2, 5, 16), torch.tensor([[1, 1, 1, 0, 0], [1] * 5]).bool())
+        >>> out = block(t)
+        >>> out.x.shape, out.x[0, 3:].abs().sum().item()
+        (torch.Size([2, 5, 16]), 0.0)
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        mlp_ratio: float = 4.0,
+        attention: str = "full",
+        window_size: int | None = None,
+        causal: bool = False,
+        norm_eps: float = 1e-5,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio)
+        if attention not in _ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {_ATTENTION_KINDS}, got {attention!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.mlp_ratio = mlp_ratio
+        self.attention = attention
+        self.causal = bool(causal)
+        self.window_size = window_size
+        self.norm1 = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
+        if attention == "local":
+            if window_size is None:
+                raise ValueError("window_size must be given when attention='local', got None")
+            checks.check_positive_int("window_size", window_size, minimum=0)
+            from mmattn.local import LocalAttention  # written alongside; imported on use
+
+            self.attn = LocalAttention(
+                embed_dim, num_heads, window_size, dropout=dropout, bias=bias, causal=causal,
+                **factory,
+            )
+        else:
+            if window_size is not None:
+                raise ValueError(
+                    f"window_size is only used with attention='local', got {window_size}"
+                )
+            self.attn = MultiHeadAttention(embed_dim, num_heads, dropout, bias, **factory)
+        self.norm2 = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
+        self.mlp = MLP(embed_dim, hidden, dropout, bias, **factory)
+
+    def reset_parameters(self) -> None:
+        for module in (self.norm1, self.attn, self.norm2, self.mlp):
+            module.reset_parameters()
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"embed_dim={self.embed_dim}",
+            f"num_heads={self.num_heads}",
+            f"mlp_ratio={self.mlp_ratio}",
+            f"attention={self.attention!r}",
+        ]
+        if self.window_size is not None:
+            parts.append(f"window_size={self.window_size}")
+        if self.causal:
+            parts.append("causal=True")
+        return ", ".join(parts)
+
+    def forward(self, tokens: Tokens, attn_mask: Tensor | None = None) -> Tokens:
+        """Self-attend and transform ``tokens``; see the class docstring."""
+        check_tokens("tokens", tokens, self.embed_dim)
+        attn_mask = block_attn_mask(
+            attn_mask, tokens.batch_size, self.num_heads, tokens.length, tokens.length
+        )
+        x = zero_padding(tokens)
+        h = self.norm1(x)
+        kwargs = {}
+        if self.causal and self.attention == "full":
+            kwargs["is_causal"] = True
+        attn, _ = self.attn(
+            h, h, h, key_padding_mask=tokens.key_padding_mask, attn_mask=attn_mask, **kwargs
+        )
+        x = x + attn
+        x = x + self.mlp(self.norm2(x))
+        return tokens.replace(zero_padding(tokens, x))
+
+
+class CrossAttentionBlock(nn.Module):
+    r"""Pre-norm cross-attention block: query Tokens attend context Tokens, then an MLP.
+
+    .. math::
+        x' = x + \mathrm{CrossAttn}(\mathrm{LN}_q(x), \mathrm{LN}_c(c)), \qquad
+        y = x' + \mathrm{MLP}(\mathrm{LN}_2(x'))
+
+    Padded context tokens are never attended; padded query positions come out as 0. A query
+    whose context is entirely padding receives a zero attention result (never NaN).
+
+    Args:
+        embed_dim: query (and output) width D.
+        num_heads: attention heads H; must divide ``embed_dim``.
+        dropout: dropout on the attention weights and in the MLP.
+        bias: biases in the projections and the MLP.
+        kdim: context width (default ``embed_dim``).
+        mlp_ratio: MLP hidden width as a multiple of ``embed_dim``.
+        norm_eps: LayerNorm epsilon.
+        device, dtype: factory arguments.
+
+    Shape:
+        - query: Tokens with x (B, L, D); context: Tokens with x (B, S, kdim)
+        - attn_mask: module direction or additive, (L, S), (B, L, S) or (B * H, L, S)
+        - returns: Tokens with x (B, L, D), the query's mask and meta
+
+    Raises:
+        TypeError: ``query`` or ``context`` is not Tokens.
+        ValueError: widths differ from ``embed_dim`` / ``kdim``; batch sizes differ;
+            ``attn_mask`` of the wrong shape.
+
+    Examples:
+        >>> block = CrossAttentionBlock(embed_dim=16, num_heads=2, kdim=8)
+        >>> out = block(Tokens(torch.randn(2, 3, 16)), Tokens(torch.randn(2, 7, 8)))
+        >>> out.x.shape
+        torch.Size([2, 3, 16])
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        kdim: int | None = None,
+        mlp_ratio: float = 4.0,
+        norm_eps: float = 1e-5,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio)
+        kdim = checks.check_positive_int("kdim", embed_dim if kdim is None else kdim)
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.kdim = kdim
+        self.mlp_ratio = mlp_ratio
+        self.norm_query = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
+        self.norm_context = nn.LayerNorm(kdim, eps=norm_eps, **factory)
+        self.attn = CrossAttention(embed_dim, num_heads, dropout, bias, kdim=kdim, **factory)
+        self.norm2 = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
+        self.mlp = MLP(embed_dim, hidden, dropout, bias, **factory)
+
+    def reset_parameters(self) -> None:
+        for module in (self.norm_query, self.norm_context, self.attn, self.norm2, self.mlp):
+            module.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, kdim={self.kdim}, "
+            f"mlp_ratio={self.mlp_ratio}"
+        )
+
+    def forward(self, query: Tokens, context: Tokens, attn_mask: Tensor | None = None) -> Tokens:
+        """Let ``query`` attend ``context``; see the class docstring."""
+        check_tokens("query", query, self.embed_dim)
+        check_tokens("context", context, self.kdim, "kdim")
+        if query.batch_size != context.batch_size:
+            raise ValueError(
+                f"query and context must have the same batch size, got {query.batch_size} "
+                f"and {context.batch_size}"
+            )
+        attn_mask = block_attn_mask(
+            attn_mask, query.batch_size, self.num_heads, query.length, context.length
+        )
+        x = zero_padding(query)
+        c = self.norm_context(zero_padding(context))
+        attn, _ = self.attn(
+            self.norm_query(x), c, c, key_padding_mask=context.key_padding_mask,
+            attn_mask=attn_mask,
+        )
+        x = x + attn
+        x = x + self.mlp(self.norm2(x))
+        return query.replace(zero_padding(query, x))
+
+
+class Encoder(nn.Module):
+    """A stack of :class:`TransformerBlock` and a final LayerNorm, Tokens in and out.
+
+    Args:
+        embed_dim: model width D.
+        depth: number of blocks.
+        num_heads: attention heads per block.
+        dropout: dropout in every block.
+        bias: biases in every block.
+        mlp_ratio, attention, window_size, causal, norm_eps: passed to every block.
+        final_norm: apply a LayerNorm after the last block.
+        device, dtype: factory arguments.
+
+    Shape:
+        - tokens: Tokens with x (B, L, D); attn_mask as in :class:`TransformerBlock`, shared
+          by every block
+        - returns: Tokens with x (B, L, D), the same mask and meta; padded rows are 0
+
+    Raises:
+        TypeError / ValueError: as :class:`TransformerBlock`; ``depth`` not a positive int.
+
+    Examples:
+        >>> enc = Encoder(embed_dim=16, depth=2, num_heads=2)
+        >>> enc(Tokens(torch.randn(2, 5, 16))).x.shape
+        torch.Size([2, 5, 16])
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        mlp_ratio: float = 4.0,
+        attention: str = "full",
+        window_size: int | None = None,
+        causal: bool = False,
+        norm_eps: float = 1e-5,
+        final_norm: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.depth = checks.check_positive_int("depth", depth)
+        self.embed_dim = embed_dim
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                embed_dim, num_heads, dropout, bias, mlp_ratio=mlp_ratio, attention=attention,
+                window_size=window_size, causal=causal, norm_eps=norm_eps, device=device,
+                dtype=dtype,
+            )
+            for _ in range(depth)
+        )
+        self.norm = (
+            nn.LayerNorm(embed_dim, eps=norm_eps, device=device, dtype=dtype)
+            if final_norm
+            else nn.Identity()
+        )
+
+    def reset_parameters(self) -> None:
+        for block in self.blocks:
+            block.reset_parameters()
+        if isinstance(self.norm, nn.LayerNorm):
+            self.norm.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, depth={self.depth}"
+
+    def forward(self, tokens: Tokens, attn_mask: Tensor | None = None) -> Tokens:
+        """Run every block, then the final norm; see the class docstring."""
+        check_tokens("tokens", tokens, self.embed_dim)
+        for block in self.blocks:
+            tokens = block(tokens, attn_mask)
+        return tokens.replace(zero_padding(tokens, self.norm(tokens.x)))

@@ -1,0 +1,164 @@
+"""Masked pooling: one vector per sequence from Tokens, padding ignored.
+
+Axis key: ``b`` batch, ``l`` sequence length, ``d`` model width.
+
+- :func:`masked_mean` / :func:`masked_max` — the mean / max over real tokens;
+- :class:`MaskedPool` — either of those, or the first token (a class token), as a module;
+- :class:`AttentionPool` — a learned query attends the real tokens (one cross-attention).
+
+A sequence with no real token pools to a zero vector, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import repeat
+from torch import Tensor, nn
+
+from mmattn import _checks as checks
+from mmattn.attention import CrossAttention
+from mmattn.blocks import check_tokens
+from mmattn.tokens import Tokens
+
+__all__ = ["masked_mean", "masked_max", "MaskedPool", "AttentionPool"]
+
+_MODES = ("mean", "max", "first")
+
+
+def masked_mean(tokens: Tokens) -> Tensor:
+    r"""The mean of the real tokens of each sequence.
+
+    .. math:: y_b = \frac{\sum_l m_{b,l}\, x_{b,l}}{\max(1, \sum_l m_{b,l})}
+
+    Shape:
+        - tokens: x (B, L, D), mask (B, L)
+        - returns: (B, D)
+
+    Raises:
+        TypeError: ``tokens`` is not Tokens.
+
+    Examples:
+        >>> t = Tokens(torch.tensor([[[1.0], [3.0], [100.0]]]), torch.tensor([[1, 1, 0]]).bool())
+        >>> masked_mean(t).tolist()
+        [[2.0]]
+    """
+    check_tokens("tokens", tokens)
+    if tokens.mask is None:
+        return tokens.x.mean(dim=1)
+    weights = tokens.mask.to(tokens.dtype)[..., None]  # (b, l, 1)
+    x = torch.where(tokens.mask[..., None], tokens.x, tokens.x.new_zeros(()))
+    return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
+
+
+def masked_max(tokens: Tokens) -> Tensor:
+    """The elementwise max over the real tokens of each sequence (0 when there are none).
+
+    Shape:
+        - tokens: x (B, L, D), mask (B, L)
+        - returns: (B, D)
+
+    Raises:
+        TypeError: ``tokens`` is not Tokens.
+
+    Examples:
+        >>> t = Tokens(torch.tensor([[[1.0], [3.0], [100.0]]]), torch.tensor([[1, 1, 0]]).bool())
+        >>> masked_max(t).tolist()
+        [[3.0]]
+    """
+    check_tokens("tokens", tokens)
+    if tokens.mask is None:
+        return tokens.x.amax(dim=1)
+    x = tokens.x.masked_fill(~tokens.mask[..., None], float("-inf"))
+    out = x.amax(dim=1)
+    empty = ~tokens.mask.any(dim=1)
+    return torch.where(empty[:, None], out.new_zeros(()), out)
+
+
+class MaskedPool(nn.Module):
+    """Pool Tokens to one vector per sequence: "mean", "max" or "first" (class token).
+
+    Args:
+        mode: "mean" (:func:`masked_mean`), "max" (:func:`masked_max`) or "first" (the token
+            at position 0, e.g. a prepended class token).
+
+    Shape:
+        - tokens: x (B, L, D), mask (B, L); returns (B, D)
+
+    Raises:
+        ValueError: unknown ``mode``.
+        TypeError: ``tokens`` is not Tokens.
+
+    Examples:
+        >>> MaskedPool("mean")(Tokens(torch.ones(2, 4, 8))).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, mode: str = "mean") -> None:
+        super().__init__()
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        self.mode = mode
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}"
+
+    def forward(self, tokens: Tokens) -> Tensor:
+        if self.mode == "mean":
+            return masked_mean(tokens)
+        if self.mode == "max":
+            return masked_max(tokens)
+        check_tokens("tokens", tokens)
+        return tokens.x[:, 0]
+
+
+class AttentionPool(nn.Module):
+    r"""A learned query attends the real tokens: attention-weighted pooling.
+
+    .. math:: y_b = \mathrm{CrossAttn}(q, x_b)
+
+    Args:
+        embed_dim: token width D.
+        num_heads: attention heads; must divide ``embed_dim``.
+        device, dtype: factory arguments.
+
+    Shape:
+        - tokens: x (B, L, D), mask (B, L); returns (B, D)
+
+    Raises:
+        TypeError: ``tokens`` is not Tokens.
+        ValueError: ``tokens`` width differs from ``embed_dim``.
+
+    Examples:
+        >>> AttentionPool(16, 2)(Tokens(torch.randn(3, 5, 16))).shape
+        torch.Size([3, 16])
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        checks.check_positive_int("embed_dim", embed_dim)
+        self.embed_dim = embed_dim
+        self.query = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
+        self.attn = CrossAttention(embed_dim, num_heads, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.query, std=0.02)
+        self.attn.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.attn.num_heads}"
+
+    def forward(self, tokens: Tokens) -> Tensor:
+        check_tokens("tokens", tokens, self.embed_dim)
+        query = repeat(self.query, "1 1 d -> b 1 d", b=tokens.batch_size)
+        x = tokens.x
+        if tokens.mask is not None:
+            x = torch.where(tokens.mask[..., None], x, x.new_zeros(()))
+        out, _ = self.attn(query, x, x, key_padding_mask=tokens.key_padding_mask)
+        return out[:, 0]
