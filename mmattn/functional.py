@@ -142,17 +142,21 @@ def _open_dead_rows(mask: Tensor, live: Tensor) -> Tensor:
 def _explicit_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """The readable twin: softmax(q kᵀ · scale + mask) v, returning the weights too."""
+    """The readable twin: softmax(q kᵀ · scale + mask) v, returning the weights too.
+
+    Half-precision inputs get float32 scores and softmax (as the fused kernels keep them),
+    so large activations neither overflow nor lose the ranking of close scores.
+    """
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+    if low_precision:
+        q, k = q.float(), k.float()
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., i, j)
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask
-    if scores.dtype in (torch.float16, torch.bfloat16):
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-    else:
-        weights = torch.softmax(scores, dim=-1)
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return torch.matmul(weights, v), weights

@@ -128,7 +128,9 @@ class Tokens:
         first = items[0][1]
         for key, part in items:
             if not isinstance(part, Tokens):
-                raise TypeError(f"Tokens.cat part {key!r} must be Tokens, got {type(part).__name__}")
+                raise TypeError(
+                    f"Tokens.cat part {key!r} must be Tokens, got {type(part).__name__}"
+                )
             if (part.batch_size, part.dim) != (first.batch_size, first.dim):
                 raise ValueError(
                     f"Tokens.cat part {key!r} has (batch, dim)={part.batch_size, part.dim}, "
