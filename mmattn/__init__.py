@@ -1,15 +1,27 @@
 """mmattn: multi-modal attention components for PyTorch."""
 
-from mmattn import functional, masks
+from mmattn import debug, functional, masks
 from mmattn.attention import CrossAttention, MultiHeadAttention
+from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
+from mmattn.fusion import MultiModalEncoder
+from mmattn.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
 from mmattn.tokens import Tokens
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionPool",
     "CrossAttention",
+    "CrossAttentionBlock",
+    "Encoder",
+    "MaskedPool",
     "MultiHeadAttention",
+    "MultiModalEncoder",
     "Tokens",
+    "TransformerBlock",
+    "debug",
     "functional",
+    "masked_max",
+    "masked_mean",
     "masks",
 ]
