@@ -45,6 +45,11 @@ def _resampled_length(lengths: Tensor, orig: int, new: int) -> Tensor:
     return (lengths * new + orig - 1) // orig
 
 
+def _zero_past(wave: Tensor, lengths: Tensor) -> Tensor:
+    keep = torch.arange(wave.shape[-1], device=wave.device) < rearrange(lengths, "b -> b 1")
+    return wave * keep
+
+
 class AudioFrameEmbedder(ModalityAdapter):
     r"""Waveforms to frame tokens through a torchaudio log-mel (or a raw-frame) front end.
 
@@ -62,7 +67,8 @@ class AudioFrameEmbedder(ModalityAdapter):
 
     Multi-channel input (B, C, T) is mixed down by the mean over channels. Input at another
     ``input_rate`` is resampled with ``torchaudio.functional.resample`` and its lengths become
-    ``ceil(length * sample_rate / input_rate)``. Samples past a clip's length are zeroed.
+    ``ceil(length * sample_rate / input_rate)``. Samples past a clip's length are zeroed
+    (before and after resampling), so padding never leaks into a clip's frames.
 
     Mask: clip ``i`` of ``lengths[i]`` samples has ``1 + lengths[i] // hop_length`` real
     frames. Those frames equal the clip run alone, except for the **edge frames** whose
@@ -222,15 +228,15 @@ class AudioFrameEmbedder(ModalityAdapter):
             wave = wave.mean(dim=1)  # mix down: (b, c, t) -> (b, t)
         if lengths is not None:
             lengths = lengths.to(device=device, dtype=torch.long)
+        if lengths is not None:  # nothing past a clip's end may leak into its frames
+            wave = _zero_past(wave, lengths)
         rate = self.sample_rate if input_rate is None else input_rate
         if rate != self.sample_rate:
             taf = require("torchaudio.functional", "AudioFrameEmbedder resampling")
             wave = taf.resample(wave, rate, self.sample_rate)
             if lengths is not None:
                 lengths = _resampled_length(lengths, rate, self.sample_rate)
-        if lengths is not None:  # nothing past a clip's end may leak into its frames
-            keep = torch.arange(wave.shape[-1], device=device) < rearrange(lengths, "b -> b 1")
-            wave = wave * keep
+                wave = _zero_past(wave, lengths)
         feats = self.features(wave)  # (b, l, features), float32
         x = self.position(self.proj(feats.to(dtype)))
         mask = None
