@@ -4,6 +4,7 @@ from mmattn import debug, functional, masks
 from mmattn.attention import CrossAttention, MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
 from mmattn.fusion import MultiModalEncoder
+from mmattn.local import LocalAttention
 from mmattn.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
 from mmattn.tokens import Tokens
 
@@ -14,6 +15,7 @@ __all__ = [
     "CrossAttention",
     "CrossAttentionBlock",
     "Encoder",
+    "LocalAttention",
     "MaskedPool",
     "MultiHeadAttention",
     "MultiModalEncoder",

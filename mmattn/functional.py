@@ -289,3 +289,82 @@ def scaled_dot_product_attention(
         need_weights=need_weights,
     )
     return (out, weights) if need_weights else out
+
+
+# ---------------------------------------------------------------------- local (issue 3)
+
+__all__ += ["local_attention"]
+
+
+def local_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    window_size: int,
+    *,
+    causal: bool = False,
+    key_mask: Tensor | None = None,
+) -> Tensor:
+    r"""Sliding-window attention in O(L·window) time and memory.
+
+    .. math::
+        \mathrm{out}_i = \mathrm{softmax}_{j:\,|i-j| \le w}\!\left(
+            \frac{q_i k_j^\top}{\sqrt{e}}\right) v
+
+    Equal to :func:`scaled_dot_product_attention` with
+    ``attn_mask=masks.band_mask(L, window_size, causal=causal) & key_mask`` but computed
+    blockwise (:mod:`mmattn._blocked`), so no (L, L) tensor is built. A query whose window
+    holds no real key returns zeros. ``MMATTN_FUSED_ATTN=0`` selects the explicit path.
+
+    Args:
+        query, key, value: projected tensors of one sequence length L.
+        window_size: w >= 0; query i sees keys j with ``|i - j| <= w``.
+        causal: additionally require ``j <= i``.
+        key_mask: (B, L) bool, **True = real key** (the SDPA / ``Tokens.mask`` direction).
+
+    Shape:
+        - query, key: (B, H, L, E) or (B, L, E); value: (B, H, L, Ev) or (B, L, Ev)
+        - key_mask: (B, L)
+        - returns: (B, H, L, Ev) or (B, L, Ev), like the input.
+
+    Raises:
+        TypeError: ``window_size`` is not an int; non-floating inputs or mismatched dtypes;
+            ``key_mask`` is not bool.
+        ValueError: ``window_size`` < 0; inputs not 3-D or 4-D, of different lengths or
+            leading dims; ``key_mask`` of the wrong shape or device.
+
+    Examples:
+        >>> q = k = v = torch.randn(2, 4, 100, 8)
+        >>> local_attention(q, k, v, window_size=3).shape
+        torch.Size([2, 4, 100, 8])
+    """
+    from mmattn._blocked import local_attend  # _blocked builds on this module
+
+    _check_qkv(query, key, value)
+    check_rank("query", query, (3, 4), "(batch, heads, length, E) or (batch, length, E)")
+    if isinstance(window_size, bool) or not isinstance(window_size, int):
+        raise TypeError(
+            f"window_size must be an int, got {type(window_size).__name__} ({window_size!r})"
+        )
+    if window_size < 0:
+        raise ValueError(f"window_size must be >= 0, got {window_size}")
+    if key.shape[-2] != query.shape[-2]:
+        raise ValueError(
+            f"key must have the same length as query ({query.shape[-2]}) for local attention, "
+            f"got key {tuple(key.shape)}"
+        )
+    if key_mask is not None:
+        check_tensor("key_mask", key_mask)
+        check_mask_dtype("key_mask", key_mask, allow_float=False)
+        check_same_device("key_mask", key_mask, "query", query)
+        expected = (query.shape[0], key.shape[-2])
+        if tuple(key_mask.shape) != expected:
+            raise ValueError(
+                f"key_mask must have shape {expected} (batch, key_length), "
+                f"got {tuple(key_mask.shape)}"
+            )
+    unbatched_heads = query.dim() == 3
+    if unbatched_heads:
+        query, key, value = query[:, None], key[:, None], value[:, None]
+    out, _ = local_attend(query, key, value, window_size, causal=causal, key_mask=key_mask)
+    return out[:, 0] if unbatched_heads else out
