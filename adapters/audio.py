@@ -182,7 +182,7 @@ class AudioFrameEmbedder(ModalityAdapter):
             center=True,
             pad_mode="reflect",
         )  # (b, freq, l)
-        mel = torch.einsum("bfl,fm->blm", power, fbanks)
+        mel = rearrange(power, "b f l -> b l f") @ fbanks  # (b, l, m)
         return taf.amplitude_to_DB(mel, 10.0, 1e-10, 0.0, None)
 
     # ----------------------------------------------------------------------- checks
