@@ -144,19 +144,36 @@ def _explicit_attention(
 ) -> tuple[Tensor, Tensor]:
     """The readable twin: softmax(q kᵀ · scale + mask) v, returning the weights too.
 
-    Half-precision inputs get float32 scores and softmax (as the fused kernels keep them),
-    so large activations neither overflow nor lose the ranking of close scores.
+    Scores come from one ``baddbmm`` with the scale folded in (the tutorial's hint: no
+    separate pass to divide by √e); the mask is applied in place. Half-precision inputs get
+    float32 scores and softmax, as the fused kernels keep them, so large activations neither
+    overflow nor lose the ranking of close scores.
     """
-    low_precision = q.dtype in (torch.float16, torch.bfloat16)
-    if low_precision:
-        q, k = q.float(), k.float()
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (..., i, j)
+    *lead, q_len, width = q.shape
+    k_len = k.shape[-2]
+    q3 = q.reshape(-1, q_len, width)  # ((b h), i, e)
+    k3 = k.reshape(-1, k_len, width)  # ((b h), j, e)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        q3, k3 = q3.float(), k3.float()
+    scores = torch.baddbmm(
+        q3.new_empty(()).expand(q3.shape[0], q_len, k_len),
+        q3,
+        k3.transpose(1, 2),
+        beta=0.0,
+        alpha=scale,
+    ).view(*lead, q_len, k_len)  # (..., i, j)
     if mask is not None:
         if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores.masked_fill_(~mask, float("-inf"))
         else:
-            scores = scores + mask
-    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+            scores = scores.add_(mask)
+    if scores.requires_grad:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        # Inference: softmax in place. A fresh (..., i, j) buffer costs page faults that
+        # take longer than the softmax itself on the CPU.
+        weights = torch._softmax(scores, -1, False, out=scores)
+    weights = weights.to(v.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return torch.matmul(weights, v), weights
