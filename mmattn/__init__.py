@@ -1,6 +1,7 @@
 """mmattn: multi-modal attention components for PyTorch."""
 
 from mmattn import debug, functional, masks
+from mmattn.additive import AdditiveAttention
 from mmattn.attention import CrossAttention, MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
 from mmattn.fusion import MultiModalEncoder
@@ -11,6 +12,7 @@ from mmattn.tokens import Tokens
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdditiveAttention",
     "AttentionPool",
     "CrossAttention",
     "CrossAttentionBlock",

@@ -1,0 +1,194 @@
+"""Additive (Bahdanau) multi-head attention: scores from a small tanh network, not a dot product.
+
+Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``d`` model width,
+``e`` head width (``d = h * e``).
+
+Per head, :math:`s_{ij} = w^\\top \\tanh(W_q q_i + W_k k_j)`. The pairwise sum inside the tanh
+makes a (b, h, i, j, e) intermediate inherent: memory grows as B·H·L·S·E, E times the
+(b, h, i, j) scores of dot-product attention. The default path computes it in query chunks of
+at most :data:`CHUNK_ELEMENTS` elements and, when gradients are needed, recomputes each chunk
+in the backward pass (activation checkpointing), so peak memory stays bounded; the explicit
+twin (``need_weights=True`` or ``MMATTN_FUSED_ATTN=0``) builds it in one piece.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from mmattn.attention import MultiHeadAttention
+from mmattn.functional import _live_rows, _open_dead_rows, _with_causal, use_fused_attn
+from mmattn.masks import merge_masks
+
+__all__ = ["AdditiveAttention", "additive_scores"]
+
+#: Largest (b, h, i, j, e) block the chunked path materialises at once (64 MiB in fp32).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def additive_scores(q: Tensor, k: Tensor, weight: Tensor) -> Tensor:
+    r"""Bahdanau scores :math:`s_{ij} = \sum_e w_{he} \tanh(q_{ie} + k_{je})` per head.
+
+    Args:
+        q: projected queries :math:`W_q q`. k: projected keys :math:`W_k k`.
+        weight: the score vector ``w`` of each head.
+
+    Shape:
+        - q: (b, h, i, e); k: (b, h, j, e); weight: (h, e)
+        - returns: (b, h, i, j)
+    """
+    hidden = torch.tanh(q[:, :, :, None, :] + k[:, :, None, :, :])  # (b, h, i, j, e)
+    return torch.einsum("bhije,he->bhij", hidden, weight)
+
+
+def _chunked_scores(q: Tensor, k: Tensor, weight: Tensor) -> Tensor:
+    """:func:`additive_scores` in query chunks, recomputed in backward when training."""
+    b, h, i, e = q.shape
+    per_query = max(1, b * h * k.shape[2] * e)
+    chunk = max(1, CHUNK_ELEMENTS // per_query)
+    if chunk >= i:
+        return additive_scores(q, k, weight)
+    track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, weight))
+    parts = []
+    for start in range(0, i, chunk):
+        qc = q[:, :, start:start + chunk]
+        if track:
+            parts.append(checkpoint(additive_scores, qc, k, weight, use_reentrant=False))
+        else:
+            parts.append(additive_scores(qc, k, weight))
+    return torch.cat(parts, dim=2)
+
+
+class AdditiveAttention(MultiHeadAttention):
+    r"""Multi-head additive (Bahdanau) attention with the :class:`MultiHeadAttention` contract.
+
+    .. math::
+        s^h_{ij} = w_h^\top \tanh\!\left(W^h_q q_i + W^h_k k_j\right), \qquad
+        \mathrm{out} = W_o\,\mathrm{concat}_h\!\left(\mathrm{softmax}_j(s^h_{ij} + M)\,
+        v W^h_v\right)
+
+    ``W_q``, ``W_k``, ``W_v``, ``W_o`` are the usual ``q_proj``, ``k_proj``, ``v_proj``,
+    ``out_proj`` (their biases act as the bias inside the tanh); ``score_weight`` holds the
+    vector :math:`w_h` of every head. There is no :math:`1/\sqrt{e}` scale: the tanh already
+    bounds each term. Query and key widths may differ (``kdim``, ``vdim``). Masks, layouts,
+    ``add_bias_kv``/``add_zero_attn`` and the zero result of fully masked rows are those of
+    :class:`MultiHeadAttention`.
+
+    Memory: the tanh argument is a (B, H, L, S, E) tensor. Without weights requested it is
+    built in query chunks of at most :data:`CHUNK_ELEMENTS` elements, recomputed in backward;
+    ``need_weights=True`` or ``MMATTN_FUSED_ATTN=0`` build it whole. Both give equal results.
+
+    Args:
+        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
+        batch_first, device, dtype: as in :class:`MultiHeadAttention`.
+
+    Shape:
+        - query: (B, L, D); key: (B, S, kdim); value: (B, S, vdim) (or unbatched / seq-first)
+        - returns: (B, L, D), and weights (B, L, S) or (B, H, L, S) when ``need_weights``
+
+    Raises:
+        ValueError / TypeError: as :class:`MultiHeadAttention`, naming the argument.
+
+    Examples:
+        >>> attn = AdditiveAttention(embed_dim=16, num_heads=2, kdim=6)
+        >>> out, w = attn(torch.randn(2, 5, 16), torch.randn(2, 7, 6), need_weights=True)
+        >>> out.shape, w.shape
+        (torch.Size([2, 5, 16]), torch.Size([2, 5, 7]))
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
+            batch_first, device, dtype,
+        )
+        self.score_weight = nn.Parameter(
+            torch.empty(num_heads, self.head_dim, device=device, dtype=dtype)
+        )
+        self._reset_score()
+
+    def reset_parameters(self) -> None:
+        """Projections as :class:`MultiHeadAttention`; ``score_weight`` ~ U(±1/√e)."""
+        super().reset_parameters()
+        if getattr(self, "score_weight", None) is not None:  # absent during super().__init__
+            self._reset_score()
+
+    def _reset_score(self) -> None:
+        bound = 1.0 / math.sqrt(self.head_dim)
+        nn.init.uniform_(self.score_weight, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", score=additive"
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        mask = merge_masks(
+            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
+            dtype=q.dtype,
+        )
+        if is_causal:
+            mask = _with_causal(mask, q.shape[2], k.shape[2], q.dtype, q.device)
+        live = None
+        if mask is not None:
+            live = _live_rows(mask)
+            mask = _open_dead_rows(mask, live)
+        weight = self.score_weight.to(q.dtype)
+        if need_weights or not use_fused_attn():
+            scores = additive_scores(q, k, weight)
+        else:
+            scores = _chunked_scores(q, k, weight)
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            else:
+                scores = scores + mask
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        else:
+            weights = torch.softmax(scores, dim=-1)
+        if self.training and self.dropout > 0.0:
+            weights = F.dropout(weights, p=self.dropout)
+        out = torch.matmul(weights, v)
+        if live is not None:
+            out = out * live
+            weights = weights * live
+        return out, (weights if need_weights else None)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> AdditiveAttention:
+        """Not available: ``nn.MultiheadAttention`` has dot-product scores."""
+        raise NotImplementedError(
+            "AdditiveAttention.from_torch is not available: nn.MultiheadAttention uses "
+            "dot-product scores, not additive ones"
+        )
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """Not available: ``nn.MultiheadAttention`` has dot-product scores."""
+        raise NotImplementedError(
+            "AdditiveAttention.to_torch is not available: nn.MultiheadAttention uses "
+            "dot-product scores, not additive ones"
+        )
