@@ -5,6 +5,7 @@ from mmattn.additive import AdditiveAttention
 from mmattn.attention import CrossAttention, MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
 from mmattn.fusion import MultiModalEncoder
+from mmattn.linformer import LinformerAttention
 from mmattn.local import LocalAttention
 from mmattn.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
 from mmattn.tokens import Tokens
@@ -17,6 +18,7 @@ __all__ = [
     "CrossAttention",
     "CrossAttentionBlock",
     "Encoder",
+    "LinformerAttention",
     "LocalAttention",
     "MaskedPool",
     "MultiHeadAttention",
