@@ -7,9 +7,9 @@ Axis key: ``b`` batch, ``c`` channels, ``h``/``w`` pixel rows/columns, ``p`` pat
 
     images (b, c, h, w) ──pad──▶ unfold (b, c*p*p, l) ──linear──▶ (b, l, d) ──+ pos──▶ Tokens
 
-The unfold path is the meaning; the fused path computes the same numbers with one
-``conv2d`` whose kernel is the linear weight reshaped to (d, c, p, p) (channels-last on
-CUDA), which is what makes it as fast as a timm-style ``Conv2d`` patch embedding.
+The unfold path is the meaning; the fused path computes the same numbers the fastest way
+(see ``ImagePatcher.patches_fused``): a channels-last ``conv2d`` whose kernel is the linear
+weight reshaped to (d, c, p, p) on CUDA, an einops rearrange + linear on CPU.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ class ImagePatcher(ModalityAdapter):
         dtype: parameter dtype; the tokens come out in it.
 
     Attributes:
-        fused: True (default, or ``MMATTN_FUSED_ATTN`` unset/``1``) runs the conv2d path,
-            False the explicit unfold + linear path; both give the same numbers.
+        fused: True (default, or ``MMATTN_FUSED_ATTN`` unset/``1``) runs the fast path
+            (:meth:`patches_fused`), False the explicit unfold + linear path; both give the
+            same numbers.
 
     Shape:
         - images: (B, C, H, W), float or uint8
@@ -192,16 +193,32 @@ class ImagePatcher(ModalityAdapter):
         return self.proj(rearrange(cols, "b k l -> b l k"))
 
     def patches_fused(self, images: Tensor) -> Tensor:
-        """The fused path: one conv2d whose kernel is the linear weight reshaped.
+        """The fast path: the same numbers as :meth:`patches_unfold`, computed the fastest way.
 
-        On CUDA the conv runs in channels-last memory (cuDNN's fast layout for patch
-        embeddings); on CPU the contiguous layout is as fast and needs no copy.
+        - CUDA: one conv2d whose kernel is the linear weight reshaped to (D, C, p, p), in
+          channels-last memory (cuDNN's fast layout for patch embeddings);
+        - CPU, non-overlapping patches: an einops rearrange to (b, l, c*p*p) and the linear
+          layer (no output transpose, unlike a Conv2d patch embedding);
+        - CPU, overlapping patches: the conv2d in contiguous memory.
+
+        Shape: as :meth:`patches_unfold`.
+        """
+        if images.is_cuda:
+            return self.patches_conv(images, channels_last=True)
+        if self.stride == self.patch_size:
+            p = self.patch_size
+            patches = rearrange(images, "b c (gh p1) (gw p2) -> b (gh gw) (c p1 p2)", p1=p, p2=p)
+            return self.proj(patches)
+        return self.patches_conv(images, channels_last=False)
+
+    def patches_conv(self, images: Tensor, channels_last: bool = False) -> Tensor:
+        """conv2d with the linear weight as its (D, C, p, p) kernel (part of the fast path).
 
         Shape: as :meth:`patches_unfold`.
         """
         p = self.patch_size
         kernel = rearrange(self.proj.weight, "d (c ph pw) -> d c ph pw", ph=p, pw=p)
-        if images.is_cuda:
+        if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
             kernel = kernel.contiguous(memory_format=torch.channels_last)
         out = F.conv2d(images, kernel, self.proj.bias, stride=self.stride)

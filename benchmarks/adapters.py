@@ -88,7 +88,7 @@ def image_group(args, device, dtype):
 
     contenders = {
         "Conv2d patch embedding (timm-style, baseline)": conv_embed,
-        "ImagePatcher (fused path)": lambda: patcher(images).x,
+        "ImagePatcher (fast path, default)": lambda: patcher(images).x,
         "ImagePatcher (unfold path, fused=False)": lambda: unfold(images).x,
         "ImagePatcher + learned 2D positions": lambda: with_pos(images).x,
         "Conv2d, channels-last": conv_cl_embed,

@@ -201,3 +201,24 @@ def test_bad_constructor_and_mask_arguments():
         neighbourhood_mask(torch.tensor([[0], [1]]), None, 0)
     with pytest.raises(TypeError, match="edge_index must have an integer dtype"):
         neighbourhood_mask(torch.zeros(2, 3), None, 1)
+
+
+def test_mask_works_as_attn_mask_of_mmattn_attention(make_graphs):
+    from mmattn import MultiHeadAttention
+
+    batch = make_graphs(SIZES)
+    seq = GraphNodeSequencer(4, 8)
+    tokens = seq(batch)
+    attn = MultiHeadAttention(8, 2).eval()
+    blocked = seq.neighbourhood_mask(batch, 2, num_heads=2)
+    out, _ = attn(tokens.x, key_padding_mask=tokens.key_padding_mask, attn_mask=blocked)
+    assert torch.isfinite(out).all()  # padded rows (self only, self padded) give no NaN
+    plain = seq.neighbourhood_mask(batch, 2)
+    nodes = seq.to_nodes(tokens.replace(x=out))
+    start = 0
+    for g, n in enumerate(SIZES):
+        for i in range(n):
+            keys = tokens.x[g : g + 1, ~plain[g, i]]
+            ref, _ = attn(tokens.x[g : g + 1, i : i + 1], keys)
+            torch.testing.assert_close(nodes[start + i], ref[0, 0], atol=1e-5, rtol=1e-5)
+        start += n

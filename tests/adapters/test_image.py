@@ -40,6 +40,19 @@ def test_tokens_equal_unfold_einops_and_conv2d_references(fused):
     torch.testing.assert_close(out.x, conv(images).flatten(2).transpose(1, 2), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("stride", [4, 3])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_kernel_path_equals_unfold(stride, channels_last):
+    patcher = ImagePatcher(D, patch_size=P, stride=stride, img_size=12)
+    images, _, _ = patcher._prepare(torch.randn(2, 3, 12, 16))
+    torch.testing.assert_close(
+        patcher.patches_conv(images, channels_last=channels_last),
+        patcher.patches_unfold(images),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
 def test_fused_and_unfold_paths_agree_in_values_and_gradients():
     patcher = ImagePatcher(D, patch_size=P, stride=3, img_size=11)
     images = torch.randn(2, 3, 11, 13)
