@@ -140,7 +140,9 @@ class AudioFrameEmbedder(ModalityAdapter):
         self.max_frames = max_frames
         features = n_mels if frontend == "mel" else n_fft
         self.proj = nn.Linear(features, embed_dim, device=device, dtype=dtype)
-        self.position = position_1d(positional, embed_dim, max_frames, device=device, dtype=dtype)
+        self.position = position_1d(
+            positional, embed_dim, max_frames, device=device, dtype=dtype, max_len_name="max_frames"
+        )
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self.reset_parameters()
 

@@ -125,6 +125,7 @@ def position_1d(
     *,
     device: torch.device | str | None,
     dtype: torch.dtype | None,
+    max_len_name: str = "max_len",
 ) -> nn.Module:
     """The additive 1D position module for ``kind`` in {"sinusoidal", "learned", None}."""
     if kind is None:
@@ -133,6 +134,6 @@ def position_1d(
         return SinusoidalPositionalEncoding(dim)
     if kind == "learned":
         if max_len is None:
-            raise ValueError("max_len must be given when positional='learned'")
+            raise ValueError(f"{max_len_name} must be given when positional='learned', got None")
         return LearnedPositionalEmbedding(max_len, dim, device=device, dtype=dtype)
     raise ValueError(f"positional must be 'sinusoidal', 'learned' or None, got {kind!r}")

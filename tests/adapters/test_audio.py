@@ -139,5 +139,5 @@ def test_bad_constructor_arguments():
         AudioFrameEmbedder(8, n_fft=401)
     with pytest.raises(ValueError, match="frontend must be one of"):
         AudioFrameEmbedder(8, frontend="mfcc")
-    with pytest.raises(ValueError, match="max_len must be given"):
+    with pytest.raises(ValueError, match="max_frames must be given when positional='learned'"):
         AudioFrameEmbedder(8, positional="learned")
