@@ -1,6 +1,6 @@
 """mmattn: multi-modal attention components for PyTorch."""
 
-from mmattn import debug, functional, masks
+from mmattn import debug, functional, masks, position
 from mmattn.additive import AdditiveAttention
 from mmattn.attention import CrossAttention, MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
@@ -30,4 +30,5 @@ __all__ = [
     "masked_max",
     "masked_mean",
     "masks",
+    "position",
 ]
