@@ -18,8 +18,14 @@ def interleaved_medians(
     repeats: int,
     warmup: int = 1,
     seed: int = 0,
+    sync: Callable[[], object] | None = None,
 ) -> dict[str, float]:
-    """Median wall time in seconds of each zero-argument callable, run interleaved."""
+    """Median wall time in seconds of each zero-argument callable, run interleaved.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the clock starts and stops, so
+    asynchronous devices are timed for their work, not for the launch.
+    """
+    sync = sync or (lambda: None)
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
@@ -30,8 +36,10 @@ def interleaved_medians(
         rng.shuffle(order)
         for name in order:
             gc.collect()
+            sync()
             start = time.perf_counter()
             contenders[name]()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 

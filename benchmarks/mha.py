@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python benchmarks/mha.py`` (``--quick`` for a short smoke run).
 
-B=8, D=256, H=8, fp32 on the CPU, L in {128, 512, 1024, 2048}. Training is forward +
+B=8, D=256, H=8, fp32 on the CPU, L in {128, 512, 1024, 2048} (``--device cuda
+--dtype bfloat16`` for the GPU check in ``benchmarks/gpu_check.sh``). Training is forward +
 backward in train mode (dropout 0); inference is eval mode under ``torch.inference_mode``.
 Every contender is self-attention on the same input with the same weights.
 """
@@ -47,10 +48,11 @@ class TutorialAttention(nn.Module):
         return self.out(out.transpose(1, 2).reshape(b, n, d))
 
 
-def build(embed_dim: int, num_heads: int):
-    ref = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
+def build(embed_dim: int, num_heads: int, device: str = "cpu", dtype=torch.float32):
+    ref = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True, device=device,
+                                dtype=dtype)
     ours = MultiHeadAttention.from_torch(ref)
-    naive = TutorialAttention(embed_dim, num_heads)
+    naive = TutorialAttention(embed_dim, num_heads).to(device, dtype)
     calls = {
         "torch": lambda x: ref(x, x, x, need_weights=False)[0],
         "ours": lambda x: ours(x)[0],
@@ -65,31 +67,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
     batch, embed_dim, num_heads = 8, 256, 8
     lengths = [128, 256] if args.quick else [128, 512, 1024, 2048]
-    modules, calls = build(embed_dim, num_heads)
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}")
+    modules, calls = build(embed_dim, num_heads, args.device, dtype)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
+    where = (torch.cuda.get_device_name() if sync else
+             f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"# torch {torch.__version__}, {args.device} {args.dtype}, {where}")
     rows = []
     for mode in ("training", "inference"):
         for length in lengths:
             repeats = args.repeats or (3 if args.quick else (7 if length <= 1024 else 5))
-            x = torch.randn(batch, length, embed_dim, requires_grad=mode == "training")
+            x = torch.randn(batch, length, embed_dim, device=args.device, dtype=dtype,
+                            requires_grad=mode == "training")
             for m in modules:
                 m.train(mode == "training")
             if mode == "training":
                 def run(fn, x=x):
                     fn(x).sum().backward()
                 contenders = {name: (lambda fn=fn: run(fn)) for name, fn in calls.items()}
-                medians = interleaved_medians(contenders, repeats)
+                medians = interleaved_medians(contenders, repeats, sync=sync)
             else:
                 def infer(fn, x=x):
                     with torch.inference_mode():
                         fn(x)
                 contenders = {name: (lambda fn=fn: infer(fn)) for name, fn in calls.items()}
-                medians = interleaved_medians(contenders, repeats)
+                medians = interleaved_medians(contenders, repeats, sync=sync)
             rows.append([
                 mode, length,
                 medians["torch"] * 1e3, medians["ours"] * 1e3,
