@@ -40,13 +40,13 @@ MIN_BLOCK = 32
 
 
 def default_block_size(window_size: int, causal: bool) -> int:
-    """Query block size for a window: about the window, at least :data:`MIN_BLOCK`.
+    """Query block size for a window: half the window, at least :data:`MIN_BLOCK`.
 
-    A block of ``s`` queries attends ``s + 2w`` keys (``s + w`` causal), so per query the
-    cost is ``1 + 2w/s`` times the ideal ``2w + 1``; larger blocks waste fewer scores per
-    call overhead but more per query. ``s = w`` measured best on CPU (docs/variants.md).
+    A block of ``s`` queries attends ``s + 2w`` keys (``s + w`` causal), i.e. ``s + 2w``
+    scores per query against the ideal ``2w + 1``: smaller blocks waste fewer scores, larger
+    ones make bigger matmuls. ``s = w / 2`` measured best on CPU (docs/local_performance.md).
     """
-    return max(MIN_BLOCK, window_size)
+    return max(MIN_BLOCK, window_size // 2)
 
 
 def _key_bias(key_mask: Tensor | None, batch: int, length: int, dtype, device) -> Tensor:

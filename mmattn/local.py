@@ -80,7 +80,7 @@ class LocalAttention(MultiHeadAttention):
         bias: add biases to the four projections.
         causal: only keys at or before the query (``j <= i``).
         num_global_tokens: g >= 0; the first g tokens are global.
-        block_size: queries per block (tuning only; default ``max(32, window_size)``).
+        block_size: queries per block (tuning only; default ``max(32, window_size // 2)``).
         kdim, vdim: key and value widths (default ``embed_dim``).
         batch_first: inputs are (B, L, D) when True, (L, B, D) when False.
         device, dtype: factory arguments for the parameters.
