@@ -94,7 +94,7 @@ class AdditiveAttention(MultiHeadAttention):
         ValueError / TypeError: as :class:`MultiHeadAttention`, naming the argument.
 
     Examples:
-        >>> attn = AdditiveAttention(embed_dim=16, num_heads=2, kdim=6)
+        >>> attn = AdditiveAttention(embed_dim=16, num_heads=2, kdim=6, vdim=6)
         >>> out, w = attn(torch.randn(2, 5, 16), torch.randn(2, 7, 6), need_weights=True)
         >>> out.shape, w.shape
         (torch.Size([2, 5, 16]), torch.Size([2, 5, 7]))
