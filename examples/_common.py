@@ -77,6 +77,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
     p.add_argument("--out", default=None, help="output folder (default out/<example>)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: the models are tiny)")
     return p
 
 
@@ -184,6 +186,7 @@ def main_for(example: str, description: str, run: Callable[..., list[Result]]):
 
     def main(argv: Sequence[str] | None = None) -> list[Result]:
         args = parser(description).parse_args(argv)
+        torch.set_num_threads(max(1, args.threads))
         out = out_path(args.out, example)
         results = run(
             device=resolve_device(args.device),
