@@ -186,15 +186,19 @@ def main_for(example: str, description: str, run: Callable[..., list[Result]]):
 
     def main(argv: Sequence[str] | None = None) -> list[Result]:
         args = parser(description).parse_args(argv)
+        threads = torch.get_num_threads()
         torch.set_num_threads(max(1, args.threads))
         out = out_path(args.out, example)
-        results = run(
-            device=resolve_device(args.device),
-            seed=args.seed,
-            quick=args.quick,
-            out_dir=out,
-            show_progress=not args.no_progress,
-        )
+        try:
+            results = run(
+                device=resolve_device(args.device),
+                seed=args.seed,
+                quick=args.quick,
+                out_dir=out,
+                show_progress=not args.no_progress,
+            )
+        finally:
+            torch.set_num_threads(threads)
         for result in results:
             print(result.line())
         payload = {r.example: {**r.summary(), "task": r.task} for r in results}

@@ -83,9 +83,9 @@ def save_attention_picture(model: DigitViT, images: Tensor, labels: Tensor, path
     n = images.shape[0]
     fig, axes = plt.subplots(2, n, figsize=(1.6 * n, 3.4))
     for i in range(n):
-        axes[0, i].imshow(images[i, 0].cpu(), cmap="gray_r")
+        axes[0, i].imshow(images[i, 0].cpu().numpy(), cmap="gray_r")
         axes[0, i].set_title(f"{int(labels[i])} (pred {int(pred[i])})", fontsize=8)
-        axes[1, i].imshow(cls_attn[i], cmap="viridis")
+        axes[1, i].imshow(cls_attn[i].numpy(), cmap="viridis")
         for ax in axes[:, i]:
             ax.set_xticks([])
             ax.set_yticks([])

@@ -128,7 +128,7 @@ def run(
     acc = _accuracy(model, test_ids, test_answers)
 
     plain = RecallModel(attention=False).to(device)
-    _train(plain, steps // 3, batch, 3e-3, rng, tok, device, "text: no attention",
+    _train(plain, max(20, steps // 3), batch, 3e-3, rng, tok, device, "text: no attention",
            show_progress)
     plain_acc = _accuracy(plain, test_ids, test_answers)
     print(f"held-out accuracy: attention {acc:.3f}, without attention {plain_acc:.3f}, "

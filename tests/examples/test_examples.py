@@ -1,0 +1,61 @@
+"""Each example's ``--quick`` run works and writes its outputs; the demo runner's table and
+results.json have the promised layout."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+
+import pytest
+
+from examples import demo
+
+pytest.importorskip("adapters")
+pytest.importorskip("torchaudio")
+pytest.importorskip("torch_geometric")
+pytest.importorskip("sklearn")
+
+PICTURES = {"image_digits": ["image_digits_attention.png"]}
+
+
+@pytest.mark.parametrize("name", demo.EXAMPLES)
+def test_quick_run_writes_results(name, tmp_path, capsys):
+    module = importlib.import_module(f"examples.{name}")
+    results = module.main(["--quick", "--device", "cpu", "--out", str(tmp_path),
+                           "--no-progress"])
+    assert results and all(r.example.split("/")[0] == name for r in results)
+    saved = json.loads((tmp_path / f"{name}.json").read_text())
+    assert set(saved) == {r.example for r in results}
+    for entry in saved.values():
+        assert {"metric", "value", "baseline", "seconds", "task"} <= set(entry)
+        assert math.isfinite(entry["value"]) and math.isfinite(entry["baseline"])
+        assert entry["seconds"] >= 0
+    for picture in PICTURES.get(name, []):
+        assert (tmp_path / picture).stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert f"[{name}]" in out  # the line of results at the end
+
+
+def test_walkthrough_matches_torch_within_tolerance(tmp_path, capsys):
+    from examples import qkv_walkthrough
+
+    (result,) = qkv_walkthrough.run(quick=True, out_dir=tmp_path, show_progress=False)
+    assert result.value <= 1e-6
+    out = capsys.readouterr().out
+    for step in ("Q shape: torch.Size([3, 4])", "attention weights", "two heads, einops",
+                 "torch.baddbmm", "Q gradient norm:"):
+        assert step in out
+
+
+def test_demo_runner_writes_table_and_results_json(tmp_path, capsys):
+    summary = demo.main(["--quick", "--jobs", "1", "--out", str(tmp_path),
+                         "--only", "qkv_walkthrough", "custom_adapter"])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == summary
+    assert set(saved) == {"qkv_walkthrough", "custom_adapter"}
+    for entry in saved.values():
+        assert set(entry) == {"metric", "value", "baseline", "seconds"}
+        assert isinstance(entry["metric"], str) and math.isfinite(entry["value"])
+    out = capsys.readouterr().out
+    assert "| example" in out and "| custom_adapter" in out
