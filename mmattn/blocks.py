@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn.attention import CrossAttention, MultiHeadAttention
+from mmattn.local import LocalAttention
 from mmattn.tokens import Tokens
 
 __all__ = ["TransformerBlock", "CrossAttentionBlock", "Encoder", "MLP"]
@@ -194,8 +195,6 @@ class TransformerBlock(nn.Module):
             if window_size is None:
                 raise ValueError("window_size must be given when attention='local', got None")
             checks.check_positive_int("window_size", window_size, minimum=0)
-            from mmattn.local import LocalAttention  # written alongside; imported on use
-
             self.attn = LocalAttention(
                 embed_dim, num_heads, window_size, dropout=dropout, bias=bias, causal=causal,
                 **factory,

@@ -95,7 +95,6 @@ def test_transformer_block_per_sample_attn_mask_is_repeated_per_head():
 
 
 def test_transformer_block_local_equals_full_with_band_mask():
-    pytest.importorskip("mmattn.local", reason="LocalAttention not written yet")
     torch.manual_seed(1)
     local = TransformerBlock(16, 2, attention="local", window_size=2)
     full = TransformerBlock(16, 2)
