@@ -37,9 +37,13 @@ EXAMPLES = (
 
 
 def _init_worker() -> None:
+    import warnings
+
     import torch
 
     torch.set_num_threads(1)
+    # torch_geometric's import triggers torch's torch.jit deprecation notice: not ours to fix
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
 
 
 def run_example(name: str, out_dir: str, quick: bool, seed: int) -> tuple[list[Result], str]:

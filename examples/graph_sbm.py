@@ -150,7 +150,7 @@ def run(
     seed_everything(seed)
     device = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
-    n_train, n_test, epochs = (64, 64, 2) if quick else (1200, 400, 15)
+    n_train, n_test, epochs = (64, 64, 2) if quick else (1200, 400, 20)
     train = sbm_dataset(n_train, generator)
     test = sbm_dataset(n_test, generator)
     model = GraphClassifier(1, 2).to(device)
