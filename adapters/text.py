@@ -180,7 +180,9 @@ class TextTokenEmbedder(ModalityAdapter):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.embedding.weight, std=0.02)
+        # Unit variance, like nn.Embedding's own default: on the scale of the sinusoidal
+        # positions (|P| <= 1), so the position signal does not drown the token identity.
+        nn.init.normal_(self.embedding.weight, std=1.0)
         with torch.no_grad():
             self.embedding.weight[self.pad_id].zero_()
         if hasattr(self.position, "reset_parameters"):

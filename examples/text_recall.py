@@ -54,11 +54,6 @@ class RecallModel(nn.Module):
         super().__init__()
         self.attention = attention
         self.embed = TextTokenEmbedder(ByteTokenizer.vocab_size, dim, max_len=64)
-        # unit-variance token embeddings, on the scale of the sinusoidal positions (the
-        # adapter's default std 0.02 would let the positions drown the bytes)
-        nn.init.normal_(self.embed.embedding.weight, std=1.0)
-        with torch.no_grad():
-            self.embed.embedding.weight[self.embed.pad_id].zero_()
         self.blocks = nn.ModuleList([
             TransformerBlock(dim, heads, mlp_ratio=2.0, attention="local", window_size=2,
                              causal=True),

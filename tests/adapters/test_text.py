@@ -103,3 +103,15 @@ def test_embedder_bad_constructor_arguments():
         TextTokenEmbedder(5, 8, pad_id=5)
     with pytest.raises(ValueError, match="positional must be 'sinusoidal', 'learned' or None"):
         TextTokenEmbedder(5, 8, positional="rotary")
+
+
+def test_token_embeddings_are_on_the_scale_of_the_positions():
+    """Unit-variance embeddings (nn.Embedding's default): with std 0.02 the sinusoidal
+    positions (per-dimension variance 1/2) drowned the token identity and a recall model
+    stalled at chance."""
+    emb = TextTokenEmbedder(259, 256)
+    weight = emb.embedding.weight.detach()
+    real_rows = torch.cat([weight[: emb.pad_id], weight[emb.pad_id + 1 :]])
+    assert 0.9 < real_rows.std().item() < 1.1
+    positions = sinusoidal_1d(64, 256)
+    assert real_rows.var().item() > positions.var().item()
