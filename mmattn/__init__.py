@@ -2,8 +2,9 @@
 
 from mmattn import debug, functional, masks, position
 from mmattn.additive import AdditiveAttention
-from mmattn.attention import CrossAttention, MultiHeadAttention
+from mmattn.attention import MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
+from mmattn.cross import CrossAttention
 from mmattn.fusion import MultiModalEncoder
 from mmattn.linformer import LinformerAttention
 from mmattn.local import LocalAttention

@@ -83,8 +83,10 @@ class AdditiveAttention(MultiHeadAttention):
     ``need_weights=True`` or ``MMATTN_FUSED_ATTN=0`` build it whole. Both give equal results.
 
     Args:
-        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
-        batch_first, device, dtype: as in :class:`MultiHeadAttention`.
+        embed_dim: model width D. num_heads: heads H (must divide D).
+        dropout: attention-weight dropout. bias: biases on the four projections.
+        add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype: as in
+            :class:`MultiHeadAttention`.
 
     Shape:
         - query: (B, L, D); key: (B, S, kdim); value: (B, S, vdim) (or unbatched / seq-first)
@@ -99,6 +101,8 @@ class AdditiveAttention(MultiHeadAttention):
         >>> out.shape, w.shape
         (torch.Size([2, 5, 16]), torch.Size([2, 5, 7]))
     """
+
+    no_torch_twin = "nn.MultiheadAttention uses dot-product scores, not additive ones"
 
     def __init__(
         self,
@@ -126,8 +130,7 @@ class AdditiveAttention(MultiHeadAttention):
     def reset_parameters(self) -> None:
         """Projections as :class:`MultiHeadAttention`; ``score_weight`` ~ U(±1/√e)."""
         super().reset_parameters()
-        if getattr(self, "score_weight", None) is not None:  # absent during super().__init__
-            self._reset_score()
+        self._reset_score()
 
     def _reset_score(self) -> None:
         bound = 1.0 / math.sqrt(self.head_dim)
@@ -151,7 +154,7 @@ class AdditiveAttention(MultiHeadAttention):
             dtype=q.dtype,
         )
         if is_causal:
-            mask = _with_causal(mask, q.shape[2], k.shape[2], q.dtype, q.device)
+            mask = _with_causal(mask, q.shape[2], k.shape[2], q.device)
         live = None
         if mask is not None:
             live = _live_rows(mask)
@@ -177,18 +180,3 @@ class AdditiveAttention(MultiHeadAttention):
             out = out * live
             weights = weights * live
         return out, (weights if need_weights else None)
-
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> AdditiveAttention:
-        """Not available: ``nn.MultiheadAttention`` has dot-product scores."""
-        raise NotImplementedError(
-            "AdditiveAttention.from_torch is not available: nn.MultiheadAttention uses "
-            "dot-product scores, not additive ones"
-        )
-
-    def to_torch(self) -> nn.MultiheadAttention:
-        """Not available: ``nn.MultiheadAttention`` has dot-product scores."""
-        raise NotImplementedError(
-            "AdditiveAttention.to_torch is not available: nn.MultiheadAttention uses "
-            "dot-product scores, not additive ones"
-        )

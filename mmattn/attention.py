@@ -1,4 +1,4 @@
-"""Multi-head attention modules: a drop-in ``nn.MultiheadAttention`` and cross-attention.
+"""``MultiHeadAttention``: a drop-in replacement for ``torch.nn.MultiheadAttention``.
 
 Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``d`` model width,
 ``e`` head width (``d = h * e``).
@@ -12,6 +12,7 @@ handed to :func:`mmattn.functional.attend`.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from einops import rearrange
@@ -22,7 +23,7 @@ from mmattn._helpers import default
 from mmattn.functional import attend
 from mmattn.masks import causal_mask, merge_masks
 
-__all__ = ["MultiHeadAttention", "CrossAttention"]
+__all__ = ["MultiHeadAttention"]
 
 
 class MultiHeadAttention(nn.Module):
@@ -83,6 +84,9 @@ class MultiHeadAttention(nn.Module):
     in_proj_weight = None
     in_proj_bias = None
 
+    #: Why :meth:`from_torch` / :meth:`to_torch` do not apply to a variant (None: they do).
+    no_torch_twin: ClassVar[str | None] = None
+
     def __init__(
         self,
         embed_dim: int,
@@ -125,7 +129,9 @@ class MultiHeadAttention(nn.Module):
             self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
         else:
             self.bias_k = self.bias_v = None
-        self.reset_parameters()
+        # The base initialiser on purpose: a subclass's reset_parameters may touch
+        # parameters that do not exist yet; subclasses initialise their own at the end.
+        MultiHeadAttention.reset_parameters(self)
 
     def reset_parameters(self) -> None:
         """Initialise like ``nn.MultiheadAttention`` (same distributions).
@@ -335,7 +341,9 @@ class MultiHeadAttention(nn.Module):
 
         Raises:
             TypeError: ``module`` is not an ``nn.MultiheadAttention``.
+            NotImplementedError: a variant with no torch equivalent (see ``no_torch_twin``).
         """
+        _check_torch_twin(cls, "from_torch")
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(
                 f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}"
@@ -375,7 +383,12 @@ class MultiHeadAttention(nn.Module):
         return new.train(module.training)
 
     def to_torch(self) -> nn.MultiheadAttention:
-        """An ``nn.MultiheadAttention`` with the same weights and settings (the inverse)."""
+        """An ``nn.MultiheadAttention`` with the same weights and settings (the inverse).
+
+        Raises:
+            NotImplementedError: a variant with no torch equivalent (see ``no_torch_twin``).
+        """
+        _check_torch_twin(type(self), "to_torch")
         weight = self.out_proj.weight
         module = nn.MultiheadAttention(
             self.embed_dim,
@@ -408,70 +421,9 @@ class MultiHeadAttention(nn.Module):
         return module.train(self.training)
 
 
-class CrossAttention(MultiHeadAttention):
-    """Multi-head attention of a query sequence over a required context sequence.
-
-    The same module as :class:`MultiHeadAttention` (same arguments, masks and outputs), but
-    ``key`` (the context) must be given, and ``vdim`` defaults to ``kdim`` so that a context
-    of width ``kdim`` serves as both key and value.
-
-    Shape:
-        - query: (B, L, embed_dim); key (context): (B, S, kdim); value: (B, S, vdim)
-        - returns: (B, L, embed_dim), weights (B, L, S) when ``need_weights``
-
-    Examples:
-        >>> xattn = CrossAttention(embed_dim=32, num_heads=4, kdim=12)
-        >>> text, image = torch.randn(2, 7, 32), torch.randn(2, 49, 12)
-        >>> xattn(text, image)[0].shape
-        torch.Size([2, 7, 32])
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        add_bias_kv: bool = False,
-        add_zero_attn: bool = False,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        batch_first: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            embed_dim,
-            num_heads,
-            dropout=dropout,
-            bias=bias,
-            add_bias_kv=add_bias_kv,
-            add_zero_attn=add_zero_attn,
-            kdim=kdim,
-            vdim=default(vdim, kdim),
-            batch_first=batch_first,
-            device=device,
-            dtype=dtype,
-        )
-
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
-        need_weights: bool = False,
-        attn_mask: Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Attend ``query`` over the context ``key`` (required) and ``value``."""
-        if key is None:
-            raise TypeError("CrossAttention.forward requires key (the context sequence), got None")
-        return super().forward(
-            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
-            is_causal,
-        )
+def _check_torch_twin(cls: type, method: str) -> None:
+    if cls.no_torch_twin is not None:
+        raise NotImplementedError(f"{cls.__name__}.{method} is not available: {cls.no_torch_twin}")
 
 
 def _pad_masks(

@@ -20,7 +20,8 @@ from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn.attention import CrossAttention, MultiHeadAttention
+from mmattn.attention import MultiHeadAttention
+from mmattn.cross import CrossAttention
 from mmattn.local import LocalAttention
 from mmattn.tokens import Tokens
 

@@ -113,7 +113,9 @@ def _check_attn_mask(mask: Tensor, q: Tensor, k: Tensor) -> None:
         )
 
 
-def _with_causal(mask: Tensor | None, q_len: int, k_len: int, dtype, device) -> Tensor:
+def _with_causal(
+    mask: Tensor | None, q_len: int, k_len: int, device: torch.device
+) -> Tensor:
     causal = causal_mask(q_len, k_len, device=device)
     if mask is None:
         return causal
@@ -193,7 +195,7 @@ def attend(
     """Unchecked kernel shared by the modules; see :func:`scaled_dot_product_attention`."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if is_causal and (mask is not None or need_weights or not _FUSED_ATTN):
-        mask = _with_causal(mask, q.shape[-2], k.shape[-2], q.dtype, q.device)
+        mask = _with_causal(mask, q.shape[-2], k.shape[-2], q.device)
         is_causal = False
     live = None
     if mask is not None:

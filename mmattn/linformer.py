@@ -72,6 +72,8 @@ class LinformerAttention(MultiHeadAttention):
         (torch.Size([2, 50, 16]), torch.Size([2, 50, 8]))
     """
 
+    no_torch_twin = "nn.MultiheadAttention has no sequence projection"
+
     def __init__(
         self,
         embed_dim: int,
@@ -106,8 +108,7 @@ class LinformerAttention(MultiHeadAttention):
     def reset_parameters(self) -> None:
         """Projections as :class:`MultiHeadAttention`; E and F ~ U(±1/√proj_len)."""
         super().reset_parameters()
-        if getattr(self, "key_seq_proj", None) is not None:  # absent during super().__init__
-            self._reset_seq_proj()
+        self._reset_seq_proj()
 
     def _reset_seq_proj(self) -> None:
         bound = 1.0 / math.sqrt(self.proj_len)
@@ -177,22 +178,6 @@ class LinformerAttention(MultiHeadAttention):
                 f"(length {key.shape[seq_dim]})"
             )
         return batched
-
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> LinformerAttention:
-        """Not available: ``nn.MultiheadAttention`` has no sequence projection."""
-        raise NotImplementedError(
-            "LinformerAttention.from_torch is not available: nn.MultiheadAttention has no "
-            "sequence projection"
-        )
-
-    def to_torch(self) -> nn.MultiheadAttention:
-        """Not available: ``nn.MultiheadAttention`` has no sequence projection."""
-        raise NotImplementedError(
-            "LinformerAttention.to_torch is not available: nn.MultiheadAttention has no "
-            "sequence projection"
-        )
-
 
 def _real_keys(key_padding_mask: Tensor) -> Tensor:
     """Module-direction key padding (bool True, or float -inf = padding) -> (b, j) real keys."""

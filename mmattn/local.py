@@ -12,7 +12,7 @@ one batched attention call, so no (L, L) score matrix is built.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn._blocked import local_attend
@@ -104,6 +104,12 @@ class LocalAttention(MultiHeadAttention):
         >>> out.shape, weights.shape
         (torch.Size([2, 10, 16]), torch.Size([2, 10, 10]))
     """
+
+    no_torch_twin = (
+        "nn.MultiheadAttention has no window; use MultiHeadAttention.from_torch(m) and "
+        "load its state_dict into a LocalAttention, or MultiHeadAttention with "
+        "masks.band_mask as attn_mask"
+    )
 
     def __init__(
         self,
@@ -230,19 +236,3 @@ class LocalAttention(MultiHeadAttention):
                 f"{tuple(query.shape)}; use CrossAttention for inputs of different lengths"
             )
         return batched
-
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> LocalAttention:
-        """Not available: ``nn.MultiheadAttention`` has no window; copy the state dict."""
-        raise NotImplementedError(
-            "LocalAttention.from_torch is not available (no window in nn.MultiheadAttention); "
-            "build a LocalAttention and load_state_dict(MultiHeadAttention.from_torch(m)"
-            ".state_dict())"
-        )
-
-    def to_torch(self) -> nn.MultiheadAttention:
-        """Not available: ``nn.MultiheadAttention`` has no window; see :meth:`from_torch`."""
-        raise NotImplementedError(
-            "LocalAttention.to_torch is not available: nn.MultiheadAttention needs the band "
-            "as attn_mask; use MultiHeadAttention + masks.band_mask with this state_dict"
-        )

@@ -16,8 +16,8 @@ from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn.attention import CrossAttention
 from mmattn.blocks import check_tokens
+from mmattn.cross import CrossAttention
 from mmattn.tokens import Tokens
 
 __all__ = ["masked_mean", "masked_max", "MaskedPool", "AttentionPool"]
