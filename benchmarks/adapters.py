@@ -7,7 +7,7 @@ Every contender runs forward + backward (a fixed upstream gradient) in the same 
 contenders are interleaved round by round and the median of the rounds is reported, with
 the ratio to the baseline of each group (first row). Prints a markdown table.
 
-    python benchmarks/adapters.py            # full sizes (as in docs/adapters_performance.md)
+    python benchmarks/adapters.py            # full sizes (as in docs/performance.md)
     python benchmarks/adapters.py --quick    # small sizes, few rounds, for development
 """
 

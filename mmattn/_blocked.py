@@ -44,7 +44,7 @@ def default_block_size(window_size: int, causal: bool) -> int:
 
     A block of ``s`` queries attends ``s + 2w`` keys (``s + w`` causal), i.e. ``s + 2w``
     scores per query against the ideal ``2w + 1``: smaller blocks waste fewer scores, larger
-    ones make bigger matmuls. ``s = w / 2`` measured best on CPU (docs/local_performance.md).
+    ones make bigger matmuls. ``s = w / 2`` measured best on CPU (docs/performance.md).
     """
     return max(MIN_BLOCK, window_size // 2)
 
