@@ -16,12 +16,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from mmattn.attention import MultiHeadAttention
-from mmattn.functional import _live_rows, _open_dead_rows, _with_causal, use_fused_attn
+from mmattn.functional import _softmax_attend, _with_causal, use_fused_attn
 from mmattn.masks import merge_masks
 
 __all__ = ["AdditiveAttention", "additive_scores"]
@@ -155,28 +154,11 @@ class AdditiveAttention(MultiHeadAttention):
         )
         if is_causal:
             mask = _with_causal(mask, q.shape[2], k.shape[2], q.device)
-        live = None
-        if mask is not None:
-            live = _live_rows(mask)
-            mask = _open_dead_rows(mask, live)
         weight = self.score_weight.to(q.dtype)
         if need_weights or not use_fused_attn():
             scores = additive_scores(q, k, weight)
         else:
             scores = _chunked_scores(q, k, weight)
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            else:
-                scores = scores + mask
-        if scores.dtype in (torch.float16, torch.bfloat16):
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-        else:
-            weights = torch.softmax(scores, dim=-1)
-        if self.training and self.dropout > 0.0:
-            weights = F.dropout(weights, p=self.dropout)
-        out = torch.matmul(weights, v)
-        if live is not None:
-            out = out * live
-            weights = weights * live
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = _softmax_attend(scores, v, mask, dropout_p)
         return out, (weights if need_weights else None)

@@ -141,15 +141,15 @@ def _open_dead_rows(mask: Tensor, live: Tensor) -> Tensor:
     return mask.masked_fill(~live, 0.0)
 
 
-def _explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, scale: float
-) -> tuple[Tensor, Tensor]:
-    """The readable twin: softmax(q kᵀ · scale + mask) v, returning the weights too.
+def _dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """q kᵀ · scale from one ``baddbmm`` with the scale folded in (the tutorial's hint: no
+    separate pass to divide by √e). Half-precision inputs get float32 scores, as the fused
+    kernels keep them, so large activations neither overflow nor lose the ranking of close
+    scores.
 
-    Scores come from one ``baddbmm`` with the scale folded in (the tutorial's hint: no
-    separate pass to divide by √e); the mask is applied in place. Half-precision inputs get
-    float32 scores and softmax, as the fused kernels keep them, so large activations neither
-    overflow nor lose the ranking of close scores.
+    Shape:
+        - q: (..., i, e); k: (..., j, e)
+        - returns: (..., i, j)
     """
     *lead, q_len, width = q.shape
     k_len = k.shape[-2]
@@ -157,28 +157,49 @@ def _explicit_attention(
     k3 = k.reshape(-1, k_len, width)  # ((b h), j, e)
     if q.dtype in (torch.float16, torch.bfloat16):
         q3, k3 = q3.float(), k3.float()
-    scores = torch.baddbmm(
+    return torch.baddbmm(
         q3.new_empty(()).expand(q3.shape[0], q_len, k_len),
         q3,
         k3.transpose(1, 2),
         beta=0.0,
         alpha=scale,
-    ).view(*lead, q_len, k_len)  # (..., i, j)
+    ).view(*lead, q_len, k_len)
+
+
+def _softmax_attend(
+    scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """The explicit path for any score function: softmax(scores + mask) v, and the weights.
+
+    ``scores`` (..., i, j) is masked in place. A row with no allowed key is opened before the
+    softmax and zeroed after, so neither forward nor backward forms a NaN. Half-precision
+    scores get a float32 softmax.
+    """
+    live = None
     if mask is not None:
+        live = _live_rows(mask)
+        mask = _open_dead_rows(mask, live)
         if mask.dtype == torch.bool:
             scores = scores.masked_fill_(~mask, float("-inf"))
         else:
             scores = scores.add_(mask)
-    if scores.requires_grad:
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    elif scores.requires_grad or not scores.is_contiguous():
         weights = torch.softmax(scores, dim=-1)
     else:
-        # Inference: softmax in place. A fresh (..., i, j) buffer costs page faults that
-        # take longer than the softmax itself on the CPU.
+        # Inference: softmax in place (only into a contiguous buffer, which ``out=`` needs).
+        # A fresh (..., i, j) buffer costs page faults that take longer than the softmax
+        # itself on the CPU.
         weights = torch._softmax(scores, -1, False, out=scores)
     weights = weights.to(v.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return torch.matmul(weights, v), weights
+    out = torch.matmul(weights, v)
+    if live is not None:
+        out = out * live
+        weights = weights * live
+    return out, weights
 
 
 def attend(
@@ -197,22 +218,17 @@ def attend(
     if is_causal and (mask is not None or need_weights or not _FUSED_ATTN):
         mask = _with_causal(mask, q.shape[-2], k.shape[-2], q.device)
         is_causal = False
+    if need_weights or not _FUSED_ATTN:
+        out, weights = _softmax_attend(_dot_scores(q, k, scale), v, mask, dropout_p)
+        return out, (weights if need_weights else None)
     live = None
     if mask is not None:
         live = _live_rows(mask)
         mask = _open_dead_rows(mask, live)
-    if need_weights or not _FUSED_ATTN:
-        out, weights = _explicit_attention(q, k, v, mask, dropout_p, scale)
-    else:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-        weights = None
-    if live is not None:
-        out = out * live
-        if weights is not None:
-            weights = weights * live
-    return out, (weights if need_weights else None)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+    )
+    return (out if live is None else out * live), None
 
 
 @overload
