@@ -14,7 +14,6 @@ weight reshaped to (d, c, p, p) on CUDA, an einops rearrange + linear on CPU.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,6 +24,7 @@ from torch import Tensor, nn
 from adapters._imports import require
 from adapters.base import ModalityAdapter
 from mmattn._checks import check_positive_int, check_rank, check_tensor
+from mmattn.functional import use_fused_attn
 from mmattn.position import LearnedPositionalEmbedding2d, sinusoidal_2d
 from mmattn.tokens import Tokens
 
@@ -50,10 +50,6 @@ def _grid_and_pad(size: int, patch: int, stride: int) -> tuple[int, int]:
     """
     count = 1 if size <= patch else -(-(size - patch) // stride) + 1
     return count, (count - 1) * stride + patch - size
-
-
-def _fused_default() -> bool:
-    return os.environ.get("MMATTN_FUSED_ATTN", "1") != "0"
 
 
 class ImagePatcher(ModalityAdapter):
@@ -87,9 +83,10 @@ class ImagePatcher(ModalityAdapter):
         dtype: parameter dtype; the tokens come out in it.
 
     Attributes:
-        fused: True (default, or ``MMATTN_FUSED_ATTN`` unset/``1``) runs the fast path
-            (:meth:`patches_fused`), False the explicit unfold + linear path; both give the
-            same numbers.
+        fused: None (default) follows the library's switch at call time
+            (:func:`mmattn.functional.use_fused_attn`, ``MMATTN_FUSED_ATTN``); True runs the
+            fast path (:meth:`patches_fused`), False the explicit unfold + linear path; both
+            give the same numbers.
 
     Shape:
         - images: (B, C, H, W), float or uint8
@@ -142,7 +139,7 @@ class ImagePatcher(ModalityAdapter):
         if positional == "sincos" and embed_dim % 4:
             raise ValueError(f"embed_dim must be divisible by 4 for 'sincos', got {embed_dim}")
         self.positional = positional
-        self.fused = _fused_default()
+        self.fused: bool | None = None
         self.proj = nn.Linear(
             in_channels * patch_size * patch_size, embed_dim, bias=bias, device=device, dtype=dtype
         )
@@ -235,7 +232,8 @@ class ImagePatcher(ModalityAdapter):
 
     def forward(self, images: Tensor) -> Tokens:
         images, grid, padding = self._prepare(images)
-        x = self.patches_fused(images) if self.fused else self.patches_unfold(images)
+        fused = use_fused_attn() if self.fused is None else self.fused
+        x = self.patches_fused(images) if fused else self.patches_unfold(images)
         table = self.position_table(grid)
         if table is not None:
             x = x + table

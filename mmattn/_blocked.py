@@ -19,7 +19,7 @@ Global tokens (Longformer style): the first ``g`` keys are appended to every blo
 (and removed from the band part so none is counted twice), and the first ``g`` query rows
 are computed densely over all keys — O(g·L).
 
-The per-block attention is :func:`mmattn.functional.attend`, so the fused
+The per-block attention is :func:`mmattn._kernel.attend`, so the fused
 (``F.scaled_dot_product_attention``) and explicit (softmax) paths, dropout and the
 "fully masked row gives zeros" rule are the same as in the dense modules.
 """
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from mmattn.functional import attend, use_fused_attn
+from mmattn import _kernel
+from mmattn._kernel import attend
 
 #: Smallest query block; below this the per-block matmuls are too small to be efficient.
 MIN_BLOCK = 32
@@ -105,9 +106,16 @@ def local_attend(
     """
     batch, heads, length, _ = q.shape
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if length == 0:
-        weights = q.new_zeros(batch, heads, 0, 0) if need_weights else None
-        return q.new_zeros(*q.shape[:-1], v.shape[-1]), weights
+    if _kernel.reporting():
+        _kernel.report(
+            "local", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v, mask=key_mask,
+            dropout_p=dropout_p, is_causal=causal, scale=scale, window_size=window_size,
+            num_global_tokens=num_global_tokens,
+        )
+    if length == 0 or batch == 0:
+        return _kernel.attend(
+            q, k, v, None, scale=scale, need_weights=need_weights, report_path=False
+        )
     window = min(window_size, length - 1)  # a wider band sees the same keys
     glob = min(num_global_tokens, length)
     block = min(block_size or default_block_size(window, causal), length)
@@ -179,7 +187,7 @@ def local_attend(
             )
         out_g, weights_g = attend(
             q[:, :, :glob], k, v, row_keys, dropout_p=dropout_p, scale=scale,
-            need_weights=need_weights,
+            need_weights=need_weights, report_path=False,
         )
         out = torch.cat([out_g, out[:, :, glob:]], dim=2)
         if need_weights:
@@ -199,13 +207,13 @@ def _attend_blocks(
 ) -> tuple[Tensor, Tensor | None]:
     """One batched attention call over all blocks.
 
-    :func:`mmattn.functional.attend` guards rows without any allowed key; when the caller
+    :func:`mmattn._kernel.attend` guards rows without any allowed key; when the caller
     knows there are none (no key mask), the fused path calls SDPA directly and saves three
     passes over the (b·n, 1, s, t) mask and the output.
     """
-    if dead_rows or need_weights or not use_fused_attn():
+    if dead_rows or need_weights or not _kernel.use_fused_attn():
         return attend(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale,
-                      need_weights=need_weights)
+                      need_weights=need_weights, report_path=False)
     out = F.scaled_dot_product_attention(
         qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, scale=scale
     )

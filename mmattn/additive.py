@@ -19,9 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from mmattn import _kernel
 from mmattn.attention import MultiHeadAttention
-from mmattn.functional import _softmax_attend, _with_causal, use_fused_attn
-from mmattn.masks import merge_masks
 
 __all__ = ["AdditiveAttention", "additive_scores"]
 
@@ -138,27 +137,31 @@ class AdditiveAttention(MultiHeadAttention):
     def extra_repr(self) -> str:
         return super().extra_repr() + ", score=additive"
 
-    def _attend(
+    def _attention(
         self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
+        mask: Tensor | None,
+        *,
         is_causal: bool,
+        dropout_p: float,
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        mask = merge_masks(
-            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
-            dtype=q.dtype,
-        )
         if is_causal:
-            mask = _with_causal(mask, q.shape[2], k.shape[2], q.device)
+            mask = _kernel.with_causal(mask, q.shape[2], k.shape[2], q.device)
+        explicit = need_weights or not _kernel.use_fused_attn()
+        if _kernel.reporting():
+            reasons = [
+                "additive scores have no fused kernel", *_kernel.explicit_reasons(need_weights)
+            ]
+            _kernel.report(
+                "explicit" if explicit else "chunked", reasons, q=q, k=k, v=v, mask=mask,
+                dropout_p=dropout_p, is_causal=is_causal, scale=None,
+            )
+        if mask is not None:
+            k, v = _kernel.clear_dead_keys(mask, k, v)
         weight = self.score_weight.to(q.dtype)
-        if need_weights or not use_fused_attn():
-            scores = additive_scores(q, k, weight)
-        else:
-            scores = _chunked_scores(q, k, weight)
-        dropout_p = self.dropout if self.training else 0.0
-        out, weights = _softmax_attend(scores, v, mask, dropout_p)
+        scores = additive_scores(q, k, weight) if explicit else _chunked_scores(q, k, weight)
+        out, weights = _kernel.softmax_attend(scores, v, mask, dropout_p)
         return out, (weights if need_weights else None)

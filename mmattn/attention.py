@@ -5,8 +5,9 @@ Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``d`` 
 
 Mask convention (the module direction, as ``nn.MultiheadAttention``): boolean
 ``key_padding_mask`` and ``attn_mask`` are **True where attention is NOT allowed**; float
-masks are added to the scores. Internally they are merged once into the SDPA direction and
-handed to :func:`mmattn.functional.attend`.
+masks are added to the scores. ``forward`` merges them once into one SDPA-direction mask
+(True = may attend) and hands it, with the head-split q/k/v, to :meth:`_attention` — the one
+hook a variant overrides. The default hook is the shared kernel :func:`mmattn._kernel.attend`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn._helpers import default
-from mmattn.functional import attend
+from mmattn._kernel import attend
 from mmattn.masks import causal_mask, merge_masks
 
 __all__ = ["MultiHeadAttention"]
@@ -209,7 +210,14 @@ class MultiHeadAttention(nn.Module):
             v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
             key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
 
-        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, is_causal, need_weights)
+        mask = merge_masks(
+            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
+            dtype=q.dtype,
+        )
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = self._attention(
+            q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
+        )
         out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
 
         if not batched:
@@ -223,38 +231,39 @@ class MultiHeadAttention(nn.Module):
                 weights = weights[0]
         return out, weights
 
-    def _attend(
+    def _attention(
         self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
+        mask: Tensor | None,
+        *,
         is_causal: bool,
+        dropout_p: float,
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """The attention kernel on head-split tensors; variants override this one method.
+        """The attention step on head-split tensors: the one hook a variant overrides.
+
+        ``forward`` has already projected and split the heads, appended ``bias_k``/zero keys,
+        merged ``key_padding_mask`` and ``attn_mask`` into ``mask``, and chosen ``dropout_p``
+        (0 in eval mode). An override returns the per-head result; ``forward`` merges the
+        heads and applies ``out_proj``.
+
+        Args:
+            q, k, v: projected queries, keys and values.
+            mask: None, or one mask in the SDPA direction — bool True = may attend, or float
+                added to the scores. (b, 1, 1, j) when only key padding was given.
+            is_causal: also apply the causal rule (key j <= query i).
+            dropout_p: dropout probability on the attention weights.
+            need_weights: also return the per-head weights.
 
         Shape:
             - q: (b, h, i, e); k, v: (b, h, j, e)
-            - masks: module direction, already extended for appended keys
-            - returns: (b, h, i, e) and weights (b, h, i, j) or None
+            - mask: broadcastable to (b, h, i, j)
+            - returns: (b, h, i, e) and weights (b, h, i, j), or None
         """
-        mask = merge_masks(
-            key_padding_mask,
-            attn_mask,
-            batch_size=q.shape[0],
-            num_heads=self.num_heads,
-            dtype=q.dtype,
-        )
         return attend(
-            q,
-            k,
-            v,
-            mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-            need_weights=need_weights,
+            q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, need_weights=need_weights
         )
 
     # ------------------------------------------------------------------ checks

@@ -1,4 +1,4 @@
-"""Attention kernels as pure functions on (..., i, e) tensors.
+"""Checked public attention functions on head-split (..., i, e) tensors.
 
 Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``e`` head width.
 
@@ -7,26 +7,19 @@ The mask convention mirrors ``torch.nn.functional.scaled_dot_product_attention``
 Unlike plain SDPA math, a query row with no allowed key returns zeros (and zero weights), and
 its gradients stay finite.
 
-Two interchangeable paths compute the same numbers:
-
-- the fused path calls ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels);
-- the explicit path spells out ``softmax(q kᵀ · scale + mask) v`` and can return the weights.
-
-The explicit path runs when weights are requested or when ``MMATTN_FUSED_ATTN=0`` is set in
-the environment (read at import) or :func:`set_fused_attn` is called with ``False``.
+These functions validate their arguments and call the unchecked kernel in
+:mod:`mmattn._kernel` (dense) or :mod:`mmattn._blocked` (sliding window). The fused / explicit
+switch lives there and is re-exported here: :func:`use_fused_attn`, :func:`set_fused_attn`,
+:func:`fused_attn` (``MMATTN_FUSED_ATTN=0`` in the environment forces the explicit path).
 """
 
 from __future__ import annotations
 
-import math
-import os
-from contextlib import contextmanager
 from typing import Literal, overload
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from mmattn._blocked import local_attend
 from mmattn._checks import (
     check_floating,
     check_mask_dtype,
@@ -35,39 +28,15 @@ from mmattn._checks import (
     check_same_dtype,
     check_tensor,
 )
-from mmattn.masks import causal_mask
+from mmattn._kernel import attend, fused_attn, set_fused_attn, use_fused_attn
 
 __all__ = [
+    "local_attention",
     "scaled_dot_product_attention",
     "use_fused_attn",
     "set_fused_attn",
     "fused_attn",
 ]
-
-_FUSED_ATTN = os.environ.get("MMATTN_FUSED_ATTN", "1").strip().lower() not in ("0", "false", "no")
-
-
-def use_fused_attn() -> bool:
-    """Whether attention without requested weights takes the fused SDPA path."""
-    return _FUSED_ATTN
-
-
-def set_fused_attn(enable: bool) -> None:
-    """Switch the fused path on or off for the whole process (``MMATTN_FUSED_ATTN``)."""
-    global _FUSED_ATTN
-    _FUSED_ATTN = bool(enable)
-
-
-@contextmanager
-def fused_attn(enable: bool):
-    """Context manager form of :func:`set_fused_attn`; restores the old setting on exit."""
-    previous = use_fused_attn()
-    set_fused_attn(enable)
-    try:
-        yield
-    finally:
-        set_fused_attn(previous)
-
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -111,124 +80,6 @@ def _check_attn_mask(mask: Tensor, q: Tensor, k: Tensor) -> None:
         raise ValueError(
             f"attn_mask must broadcast to (..., L, S) = {target}, got {tuple(mask.shape)}"
         )
-
-
-def _with_causal(
-    mask: Tensor | None, q_len: int, k_len: int, device: torch.device
-) -> Tensor:
-    causal = causal_mask(q_len, k_len, device=device)
-    if mask is None:
-        return causal
-    if mask.dtype == torch.bool:
-        return mask & causal
-    return mask.masked_fill(~causal, float("-inf"))
-
-
-def _live_rows(mask: Tensor) -> Tensor:
-    """(..., i, 1) bool: True where the row has at least one allowed key."""
-    if mask.dtype == torch.bool:
-        return mask.any(dim=-1, keepdim=True)
-    return ~torch.isneginf(mask).all(dim=-1, keepdim=True)
-
-
-def _open_dead_rows(mask: Tensor, live: Tensor) -> Tensor:
-    """Let rows without any allowed key attend everything, so softmax stays finite.
-
-    Their results are zeroed afterwards; opening them keeps forward and backward NaN-free.
-    """
-    if mask.dtype == torch.bool:
-        return mask | ~live
-    return mask.masked_fill(~live, 0.0)
-
-
-def _dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """q kᵀ · scale from one ``baddbmm`` with the scale folded in (the tutorial's hint: no
-    separate pass to divide by √e). Half-precision inputs get float32 scores, as the fused
-    kernels keep them, so large activations neither overflow nor lose the ranking of close
-    scores.
-
-    Shape:
-        - q: (..., i, e); k: (..., j, e)
-        - returns: (..., i, j)
-    """
-    *lead, q_len, width = q.shape
-    k_len = k.shape[-2]
-    q3 = q.reshape(-1, q_len, width)  # ((b h), i, e)
-    k3 = k.reshape(-1, k_len, width)  # ((b h), j, e)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        q3, k3 = q3.float(), k3.float()
-    return torch.baddbmm(
-        q3.new_empty(()).expand(q3.shape[0], q_len, k_len),
-        q3,
-        k3.transpose(1, 2),
-        beta=0.0,
-        alpha=scale,
-    ).view(*lead, q_len, k_len)
-
-
-def _softmax_attend(
-    scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
-) -> tuple[Tensor, Tensor]:
-    """The explicit path for any score function: softmax(scores + mask) v, and the weights.
-
-    ``scores`` (..., i, j) is masked in place. A row with no allowed key is opened before the
-    softmax and zeroed after, so neither forward nor backward forms a NaN. Half-precision
-    scores get a float32 softmax.
-    """
-    live = None
-    if mask is not None:
-        live = _live_rows(mask)
-        mask = _open_dead_rows(mask, live)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores = scores.add_(mask)
-    if scores.dtype in (torch.float16, torch.bfloat16):
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    elif scores.requires_grad or not scores.is_contiguous():
-        weights = torch.softmax(scores, dim=-1)
-    else:
-        # Inference: softmax in place (only into a contiguous buffer, which ``out=`` needs).
-        # A fresh (..., i, j) buffer costs page faults that take longer than the softmax
-        # itself on the CPU.
-        weights = torch._softmax(scores, -1, False, out=scores)
-    weights = weights.to(v.dtype)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    out = torch.matmul(weights, v)
-    if live is not None:
-        out = out * live
-        weights = weights * live
-    return out, weights
-
-
-def attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    *,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    need_weights: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Unchecked kernel shared by the modules; see :func:`scaled_dot_product_attention`."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if is_causal and (mask is not None or need_weights or not _FUSED_ATTN):
-        mask = _with_causal(mask, q.shape[-2], k.shape[-2], q.device)
-        is_causal = False
-    if need_weights or not _FUSED_ATTN:
-        out, weights = _softmax_attend(_dot_scores(q, k, scale), v, mask, dropout_p)
-        return out, (weights if need_weights else None)
-    live = None
-    if mask is not None:
-        live = _live_rows(mask)
-        mask = _open_dead_rows(mask, live)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-    )
-    return (out if live is None else out * live), None
 
 
 @overload
@@ -326,11 +177,6 @@ def scaled_dot_product_attention(
     return (out, weights) if need_weights else out
 
 
-# ---------------------------------------------------------------------- local (issue 3)
-
-__all__ += ["local_attention"]
-
-
 def local_attention(
     query: Tensor,
     key: Tensor,
@@ -373,8 +219,6 @@ def local_attention(
         >>> local_attention(q, k, v, window_size=3).shape
         torch.Size([2, 4, 100, 8])
     """
-    from mmattn._blocked import local_attend  # _blocked builds on this module
-
     _check_qkv(query, key, value)
     check_rank("query", query, (3, 4), "(batch, heads, length, E) or (batch, length, E)")
     if isinstance(window_size, bool) or not isinstance(window_size, int):

@@ -18,8 +18,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn._kernel import allowed, attend
 from mmattn.attention import MultiHeadAttention
-from mmattn.functional import attend
 
 __all__ = ["LinformerAttention"]
 
@@ -122,14 +122,15 @@ class LinformerAttention(MultiHeadAttention):
             parts.append("share_kv=True")
         return ", ".join(parts)
 
-    def _attend(
+    def _attention(
         self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
+        mask: Tensor | None,
+        *,
         is_causal: bool,
+        dropout_p: float,
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         if is_causal:
@@ -142,20 +143,17 @@ class LinformerAttention(MultiHeadAttention):
         f_proj = e_proj if self.value_seq_proj is None else self.value_seq_proj[:, :length]
         f_proj = f_proj.to(q.dtype)
         feeds = e_proj.abs() + f_proj.abs()  # (p, j): which keys reach which slot
-        if key_padding_mask is None:
+        if mask is None:
             slot_live = rearrange(feeds.sum(dim=1) > 0, "p -> 1 1 1 p")
         else:
-            real = _real_keys(key_padding_mask)  # (b, j)
-            keep = rearrange(real.to(q.dtype), "b j -> b 1 j 1")
-            k, v = k * keep, v * keep
+            real = _real_keys(mask)  # (b, j)
+            keep = rearrange(real, "b j -> b 1 j 1")
+            k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
             slot_live = torch.einsum("pj,bj->bp", feeds, real.to(q.dtype)) > 0
             slot_live = rearrange(slot_live, "b p -> b 1 1 p")
         k = torch.einsum("pj,bhje->bhpe", e_proj, k)
         v = torch.einsum("pj,bhje->bhpe", f_proj, v)
-        return attend(
-            q, k, v, slot_live, dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-        )
+        return attend(q, k, v, slot_live, dropout_p=dropout_p, need_weights=need_weights)
 
     def _check_inputs(
         self,
@@ -179,14 +177,12 @@ class LinformerAttention(MultiHeadAttention):
             )
         return batched
 
-def _real_keys(key_padding_mask: Tensor) -> Tensor:
-    """Module-direction key padding (bool True, or float -inf = padding) -> (b, j) real keys."""
-    if key_padding_mask.dtype == torch.bool:
-        return ~key_padding_mask
-    padded = torch.isneginf(key_padding_mask)
-    if bool(((key_padding_mask != 0) & ~padded).any()):
+def _real_keys(mask: Tensor) -> Tensor:
+    """The merged key-padding mask (b, 1, 1, j), bool or 0/-inf additive -> (b, j) real keys."""
+    real = allowed(mask)[:, 0, 0]
+    if mask.dtype != torch.bool and bool(((mask != 0) & ~torch.isneginf(mask)).any()):
         raise ValueError(
             "key_padding_mask for LinformerAttention must be bool or hold only 0 and -inf: "
             "other additive values cannot be applied after the sequence projection"
         )
-    return ~padded
+    return real

@@ -16,9 +16,9 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn._blocked import local_attend
+from mmattn._kernel import attend
 from mmattn.attention import MultiHeadAttention
-from mmattn.functional import attend
-from mmattn.masks import band_mask, merge_masks
+from mmattn.masks import band_mask
 
 __all__ = ["LocalAttention", "local_allowed"]
 
@@ -158,28 +158,23 @@ class LocalAttention(MultiHeadAttention):
             parts.append(f"block_size={self.block_size}")
         return ", ".join(parts)
 
-    def _attend(
+    def _attention(
         self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
+        mask: Tensor | None,
+        *,
         is_causal: bool,
+        dropout_p: float,
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         causal = self.causal or is_causal
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is not None:
-            return self._attend_dense(
-                q, k, v, key_padding_mask, attn_mask, causal, need_weights, dropout_p
-            )
         key_mask = None
-        if key_padding_mask is not None:
-            key_mask = (
-                ~key_padding_mask if key_padding_mask.dtype == torch.bool
-                else key_padding_mask.to(q.dtype)
-            )
+        if mask is not None:
+            if mask.shape[-2] != 1 or mask.shape[-3] != 1:
+                return self._attend_dense(q, k, v, mask, causal, need_weights, dropout_p)
+            key_mask = mask[:, 0, 0]  # only key padding: (b, j), True = real key
         return local_attend(
             q,
             k,
@@ -198,25 +193,20 @@ class LocalAttention(MultiHeadAttention):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor,
+        mask: Tensor,
         causal: bool,
         need_weights: bool,
         dropout_p: float,
     ) -> tuple[Tensor, Tensor | None]:
         """O(L²) fallback when the caller adds an (L, L) ``attn_mask``: band AND mask."""
-        allowed = local_allowed(
+        band = local_allowed(
             q.shape[2], self.window_size, causal=causal,
             num_global_tokens=self.num_global_tokens, device=q.device,
         )
-        mask = merge_masks(
-            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
-            dtype=q.dtype,
-        )
         if mask.dtype == torch.bool:
-            mask = mask & allowed
+            mask = mask & band
         else:
-            mask = torch.where(allowed, mask, float("-inf"))
+            mask = torch.where(band, mask, float("-inf"))
         return attend(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
 
     def _check_inputs(

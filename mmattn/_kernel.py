@@ -1,0 +1,336 @@
+"""The unchecked attention kernel shared by every module, and the fused-path switch.
+
+Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads (grouped-query attention),
+``g`` query heads per key head (``h = k * g``), ``i`` query length, ``j`` key length, ``e``
+head width.
+
+Masks here are in the SDPA direction: a boolean mask is **True where query i may attend key
+j**; a float mask is added to the scores. Callers validate; nothing here checks its input.
+
+Two interchangeable paths compute the same numbers:
+
+- fused: ``F.scaled_dot_product_attention`` (flash / memory-efficient / math kernels);
+- explicit: ``softmax(q kᵀ · scale + mask) v`` spelled out, which can return the weights.
+
+Padding never leaks, whatever the padded positions hold: a key that no query may attend is
+replaced by zeros (``torch.where``, not a multiplication, so a NaN stored there vanishes), and
+a query row with no allowed key is opened before the softmax and set to zero afterwards, so
+neither the forward nor the backward pass forms a NaN.
+
+The explicit path runs when weights are requested or the switch is off: the environment
+variable ``MMATTN_FUSED_ATTN=0`` (read at import) or :func:`set_fused_attn`. Every module and
+adapter reads the switch through :func:`use_fused_attn` at call time.
+
+A listener registered with :func:`add_listener` (``mmattn.debug.explain`` does) is told about
+every attention call: which path ran and why. With no listener the cost is one list check.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from mmattn.masks import causal_mask
+
+_FUSED_ATTN = os.environ.get("MMATTN_FUSED_ATTN", "1").strip().lower() not in ("0", "false", "no")
+
+
+def use_fused_attn() -> bool:
+    """Whether attention without requested weights takes the fused SDPA path."""
+    return _FUSED_ATTN
+
+
+def set_fused_attn(enable: bool) -> None:
+    """Switch the fused path on or off for the whole process (``MMATTN_FUSED_ATTN``)."""
+    global _FUSED_ATTN
+    _FUSED_ATTN = bool(enable)
+
+
+@contextmanager
+def fused_attn(enable: bool) -> Iterator[None]:
+    """Context manager form of :func:`set_fused_attn`; restores the old setting on exit."""
+    previous = use_fused_attn()
+    set_fused_attn(enable)
+    try:
+        yield
+    finally:
+        set_fused_attn(previous)
+
+
+# ---------------------------------------------------------------------- path reports
+
+Listener = Callable[[dict[str, Any]], None]
+_LISTENERS: list[Listener] = []
+
+
+def add_listener(listener: Listener) -> Callable[[], None]:
+    """Call ``listener(record)`` for every attention call; returns the function that removes it.
+
+    A record holds ``path`` (``"fused"``, ``"explicit"``, ``"local"``, ``"packed"``, ...),
+    ``reasons`` (why not fused; empty when fused) and the call's tensors and settings
+    (``q``, ``k``, ``v``, ``mask``, ``dropout_p``, ``is_causal``, ``scale``).
+    """
+    _LISTENERS.append(listener)
+
+    def remove() -> None:
+        if listener in _LISTENERS:
+            _LISTENERS.remove(listener)
+
+    return remove
+
+
+def reporting() -> bool:
+    """True while a listener wants path reports (so callers can skip building them)."""
+    return bool(_LISTENERS)
+
+
+def report(path: str, reasons: list[str] | None = None, **facts: Any) -> None:
+    """Tell every listener that an attention call took ``path``, and why (see add_listener)."""
+    record = {"path": path, "reasons": list(reasons or []), **facts}
+    for listener in list(_LISTENERS):
+        listener(record)
+
+
+def explicit_reasons(need_weights: bool) -> list[str]:
+    """Why a call runs the explicit path instead of the fused one (empty: it does not)."""
+    reasons = []
+    if need_weights:
+        reasons.append("attention weights were requested (need_weights=True)")
+    if not _FUSED_ATTN:
+        reasons.append("the fused path is switched off (MMATTN_FUSED_ATTN=0 / set_fused_attn)")
+    return reasons
+
+
+# ---------------------------------------------------------------------- mask helpers
+
+
+def with_causal(mask: Tensor | None, q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """Combine a "may attend" mask with the causal rule (key j <= query i, top-left)."""
+    causal = causal_mask(q_len, k_len, device=device)
+    if mask is None:
+        return causal
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return mask.masked_fill(~causal, float("-inf"))
+
+
+def allowed(mask: Tensor) -> Tensor:
+    """The boolean "may attend" pattern of a bool or additive mask."""
+    return mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+
+
+def live_rows(mask: Tensor) -> Tensor:
+    """(..., i, 1) bool: True where the row has at least one allowed key."""
+    return allowed(mask).any(dim=-1, keepdim=True)
+
+
+def open_dead_rows(mask: Tensor, live: Tensor) -> Tensor:
+    """Let rows without any allowed key attend everything, so the softmax stays finite.
+
+    Their results are zeroed afterwards; opening them keeps forward and backward NaN-free.
+    """
+    if mask.dtype == torch.bool:
+        return mask | ~live
+    return mask.masked_fill(~live, 0.0)
+
+
+def clear_dead_keys(mask: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Zero the keys and values that no query may attend (padding), whatever they hold.
+
+    A masked key gets weight 0, but 0 · NaN is NaN: without this a NaN or Inf stored at a
+    padded position would spread to every real output of the sample.
+
+    Shape:
+        - mask: broadcastable to (b, h, i, j); k: (b, k, j, e); v: (b, k, j, e_v)
+    """
+    seen = allowed(mask).any(dim=-2, keepdim=True)  # (..., 1, j)
+    if seen.dim() >= 3 and k.dim() >= 3 and seen.shape[-3] not in (1, k.shape[-3]):
+        seen = seen.any(dim=-3, keepdim=True)  # grouped heads: dead only if dead in all
+    seen = seen.transpose(-1, -2)  # (..., j, 1)
+    return torch.where(seen, k, 0.0), torch.where(seen, v, 0.0)
+
+
+def group_mask(mask: Tensor, groups: int, q_len: int) -> Tensor:
+    """Fold a (b, h, i, j)-broadcastable mask to (b, k | 1, (g i) | 1, j) for grouped queries.
+
+    The query heads of one key head are laid along the query axis (``b (k g) i e -> b k (g
+    i) e``), so the mask must follow: a mask shared by the heads repeats over ``g``; a
+    per-head mask is regrouped. A mask with one row for all queries stays as it is.
+    """
+    if mask.dim() < 4:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    heads, rows = mask.shape[1], mask.shape[2]
+    if heads == 1:
+        return mask if rows == 1 else mask.repeat(1, 1, groups, 1)
+    mask = mask.expand(-1, -1, q_len, -1)
+    return rearrange(mask, "b (k g) i j -> b k (g i) j", g=groups)
+
+
+# ---------------------------------------------------------------------- explicit path
+
+
+def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """q kᵀ · scale from one ``baddbmm`` with the scale folded in.
+
+    Half-precision inputs get float32 scores, as the fused kernels keep them, so large
+    activations neither overflow nor lose the ranking of close scores.
+
+    Shape:
+        - q: (..., i, e); k: (..., j, e)
+        - returns: (..., i, j)
+    """
+    *lead, q_len, width = q.shape
+    k_len = k.shape[-2]
+    q3 = q.reshape(-1, q_len, width)  # ((b h), i, e)
+    k3 = k.reshape(-1, k_len, width)  # ((b h), j, e)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        q3, k3 = q3.float(), k3.float()
+    return torch.baddbmm(
+        q3.new_empty(()).expand(q3.shape[0], q_len, k_len),
+        q3,
+        k3.transpose(1, 2),
+        beta=0.0,
+        alpha=scale,
+    ).view(*lead, q_len, k_len)
+
+
+def softmax_attend(
+    scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """The explicit path for any score function: softmax(scores + mask) v, and the weights.
+
+    ``scores`` (..., i, j) may be overwritten when it is a contiguous buffer that autograd
+    does not track. A row with no allowed key is opened before the softmax and zeroed after.
+    Half-precision scores get a float32 softmax.
+
+    Shape:
+        - scores: (..., i, j); v: (..., j, e_v); mask: broadcastable to (..., i, j)
+        - returns: (..., i, e_v) and the weights (..., i, j)
+    """
+    in_place = not scores.requires_grad and scores.is_contiguous()
+    live = None
+    if mask is not None:
+        live = live_rows(mask)
+        mask = open_dead_rows(mask, live)
+        if mask.dtype == torch.bool:
+            scores = (
+                scores.masked_fill_(~mask, float("-inf")) if in_place
+                else scores.masked_fill(~mask, float("-inf"))
+            )
+        else:
+            scores = scores.add_(mask) if in_place else scores + mask
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    elif in_place and scores.is_contiguous():
+        # Inference: softmax in place. A fresh (..., i, j) buffer costs page faults that take
+        # longer than the softmax itself on the CPU.
+        weights = torch._softmax(scores, -1, False, out=scores)
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    weights = weights.to(v.dtype)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    out = torch.matmul(weights, v)
+    if live is not None:
+        out = torch.where(live, out, 0.0)
+        weights = torch.where(live, weights, 0.0)
+    return out, weights
+
+
+# ---------------------------------------------------------------------- the kernel
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    need_weights: bool = False,
+    report_path: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention on head-split tensors: the fused or the explicit path (unchecked).
+
+    Args:
+        q, k, v: queries, keys, values. ``k`` and ``v`` may have fewer heads than ``q``
+            (grouped-query attention): query head ``n`` uses key head ``n // (h / k)``.
+        mask: None, or bool (True = may attend) / float (added), broadcastable to
+            (b, h, i, j).
+        dropout_p: dropout on the attention weights (the caller passes 0 in eval mode).
+        is_causal: key j <= query i (top-left aligned), combined with ``mask``.
+        scale: score scale; default ``1 / sqrt(e)``.
+        need_weights: also return the weights (forces the explicit path).
+        report_path: tell the path listeners (callers that report for themselves pass False).
+
+    Shape:
+        - q: (b, h, i, e); k: (b, k, j, e); v: (b, k, j, e_v)
+        - returns: (b, h, i, e_v) and weights (b, h, i, j) or None
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 else 1
+    explicit = need_weights or not _FUSED_ATTN
+    if is_causal and (mask is not None or explicit):
+        mask = with_causal(mask, q.shape[-2], k.shape[-2], q.device)
+        is_causal = False
+    if report_path and _LISTENERS:
+        report(
+            "explicit" if explicit else "fused", explicit_reasons(need_weights), q=q, k=k, v=v,
+            mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        )
+    if q.numel() == 0 or k.numel() == 0:
+        return _empty(q, k, v, need_weights)
+    if mask is not None:
+        k, v = clear_dead_keys(mask, k, v)
+    if explicit:  # softmax_attend opens and zeroes the rows without an allowed key
+        out, weights = _explicit(q, k, v, mask, dropout_p, scale, groups)
+        return out, (weights if need_weights else None)
+    live = None
+    if mask is not None:
+        live = live_rows(mask)
+        mask = open_dead_rows(mask, live)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=groups > 1,
+    )
+    return (out if live is None else torch.where(live, out, 0.0)), None
+
+
+def _explicit(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, scale: float,
+    groups: int,
+) -> tuple[Tensor, Tensor]:
+    """softmax(q kᵀ · scale + mask) v; grouped query heads share their key head's K and V."""
+    if groups == 1:
+        return softmax_attend(dot_scores(q, k, scale), v, mask, dropout_p)
+    # Fold the g query heads of each key head into the query axis: no repeated K/V is built.
+    rows = q.shape[-2]
+    qg = rearrange(q, "b (k g) i e -> b k (g i) e", g=groups)
+    mask = None if mask is None else group_mask(mask, groups, rows)
+    out, weights = softmax_attend(dot_scores(qg, k, scale), v, mask, dropout_p)
+    out = rearrange(out, "b k (g i) e -> b (k g) i e", g=groups, i=rows)
+    weights = rearrange(weights, "b k (g i) j -> b (k g) i j", g=groups, i=rows)
+    return out, weights
+
+
+def _empty(q: Tensor, k: Tensor, v: Tensor, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """A zero-length query or key axis: zeros of the right shape, still attached to autograd.
+
+    The zero comes from empty slices of the inputs, so gradients are zeros (never None or
+    NaN), whatever the inputs hold.
+    """
+    touch = sum(t.flatten()[:0].sum() for t in (q, k, v))
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + touch
+    weights = q.new_zeros(*q.shape[:-1], k.shape[-2]) if need_weights else None
+    return out, weights
