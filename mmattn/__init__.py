@@ -6,6 +6,7 @@ from mmattn.attention import MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
 from mmattn.cross import CrossAttention
 from mmattn.fusion import MultiModalEncoder
+from mmattn.interop import replace_attention
 from mmattn.linformer import LinformerAttention
 from mmattn.local import LocalAttention
 from mmattn.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
@@ -32,4 +33,5 @@ __all__ = [
     "masked_mean",
     "masks",
     "position",
+    "replace_attention",
 ]

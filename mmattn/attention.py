@@ -13,13 +13,14 @@ hook a variant overrides. The default hook is the shared kernel :func:`mmattn._k
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn import interop
 from mmattn._helpers import default
 from mmattn._kernel import attend
 from mmattn.masks import causal_mask, merge_masks
@@ -27,7 +28,7 @@ from mmattn.masks import causal_mask, merge_masks
 __all__ = ["MultiHeadAttention"]
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(nn.MultiheadAttention):
     r"""Multi-head attention, a drop-in replacement for ``torch.nn.MultiheadAttention``.
 
     .. math::
@@ -79,14 +80,54 @@ class MultiHeadAttention(nn.Module):
         (torch.Size([2, 5, 16]), torch.Size([2, 5, 5]))
     """
 
-    # nn.MultiheadAttention duck-typing: PyTorch's Transformer layers read these attributes
-    # to decide on their packed-weight fast path. Our projections are never packed.
+    # A subclass of nn.MultiheadAttention, so client code that dispatches on the class
+    # (PyG's GPSConv, FSDP's wrap policy) calls ours; nn.MultiheadAttention.__init__ never
+    # runs. PyTorch's Transformer layers probe these attributes to decide on their
+    # packed-weight fast paths; our projections are never packed, so they all decline and
+    # call our forward. The separate projection weights are views of the nn.Linear modules.
     _qkv_same_embed_dim = False
     in_proj_weight = None
     in_proj_bias = None
 
-    #: Why :meth:`from_torch` / :meth:`to_torch` do not apply to a variant (None: they do).
+    #: Why :meth:`to_torch` does not apply to a variant (None: it does). Every class takes
+    #: over an ``nn.MultiheadAttention``'s weights with :meth:`from_torch`.
     no_torch_twin: ClassVar[str | None] = None
+
+    @property
+    def q_proj_weight(self) -> Tensor:
+        """``q_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.q_proj.weight
+
+    @property
+    def k_proj_weight(self) -> Tensor:
+        """``k_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.k_proj.weight
+
+    @property
+    def v_proj_weight(self) -> Tensor:
+        """``v_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.v_proj.weight
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # nn.MultiheadAttention.__setstate__ would add _qkv_same_embed_dim=True (for v1.1
+        # checkpoints) and turn PyTorch's packed fast paths on for an unpickled copy.
+        state.pop("_qkv_same_embed_dim", None)
+        nn.Module.__setstate__(self, state)
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
+        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+    ) -> None:
+        # nn.MultiheadAttention's keys (in_proj_weight, q_proj_weight, ...) become ours.
+        interop.convert_torch_keys(self, state_dict, prefix, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            error_msgs,
+        )
+
+    def _reset_parameters(self) -> None:
+        # nn.MultiheadAttention's private name, called by client code (PyG's GPSConv).
+        self.reset_parameters()
 
     def __init__(
         self,
@@ -102,7 +143,7 @@ class MultiHeadAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.MultiheadAttention's: it would build packed weights
         checks.check_positive_int("embed_dim", embed_dim)
         checks.check_positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
@@ -182,6 +223,11 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend ``query`` over ``key``/``value``; see the class docstring for shapes."""
+        if query.is_nested:
+            return interop.nested_forward(
+                self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, is_causal,
+            )
         key = default(key, query)
         value = default(value, key)
         batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
@@ -292,12 +338,15 @@ class MultiHeadAttention(nn.Module):
         checks.check_last_dim("query", query, self.embed_dim, "embed_dim")
         checks.check_last_dim("key", key, self.kdim, "kdim")
         checks.check_last_dim("value", value, self.vdim, "vdim")
+        # Under autocast (CPU or CUDA) the projections cast every input, as in torch.
+        autocast = torch.is_autocast_enabled(query.device.type)
         for name, t in (("key", key), ("value", value)):
-            checks.check_same_dtype(name, t, "query", query)
+            if not autocast:
+                checks.check_same_dtype(name, t, "query", query)
             checks.check_same_device(name, t, "query", query)
         weight = self.q_proj.weight
         checks.check_same_device("query", query, "the module's parameters", weight)
-        if query.dtype != weight.dtype and not torch.is_autocast_enabled():
+        if query.dtype != weight.dtype and not autocast:
             raise TypeError(
                 f"query has dtype {query.dtype} but the module's parameters have dtype "
                 f"{weight.dtype}; convert one of them (e.g. module.to({query.dtype}))"
@@ -342,53 +391,41 @@ class MultiHeadAttention(nn.Module):
     # ------------------------------------------------------------------ torch interop
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+    def from_torch(cls, module: nn.MultiheadAttention, **kwargs: Any) -> MultiHeadAttention:
         """Build one with the same weights and settings as an ``nn.MultiheadAttention``.
 
         Packed (``in_proj_weight``) and separate (``q_proj_weight`` ...) layouts are both
-        read. The result keeps the source's ``batch_first`` and gives identical outputs.
+        read. The result keeps the source's ``batch_first``, dropout, device, dtype,
+        train/eval mode and each parameter's ``requires_grad``, and gives identical outputs.
+
+        A variant takes over the projection weights the same way; its own arguments come as
+        keywords, e.g. ``LocalAttention.from_torch(m, window_size=64)``, and its own extra
+        parameters (``AdditiveAttention.score_weight`` ...) keep their fresh initialisation.
+        ``module`` may also be an mmattn attention module (its projections are copied).
+
+        Args:
+            module: the ``nn.MultiheadAttention`` to copy.
+            **kwargs: arguments of ``cls`` that ``nn.MultiheadAttention`` does not have.
 
         Raises:
-            TypeError: ``module`` is not an ``nn.MultiheadAttention``.
-            NotImplementedError: a variant with no torch equivalent (see ``no_torch_twin``).
+            TypeError: ``module`` is not an ``nn.MultiheadAttention``; ``kwargs`` repeats a
+                setting read from ``module`` or misses an argument ``cls`` requires.
+            ValueError: ``module`` uses a setting ``cls`` does not have (e.g.
+                ``add_bias_kv=True`` for ``LocalAttention``).
+
+        Examples:
+            >>> torch_mha = nn.MultiheadAttention(16, 4, batch_first=True)
+            >>> mha = MultiHeadAttention.from_torch(torch_mha)
+            >>> x = torch.randn(2, 5, 16)
+            >>> torch.allclose(mha(x)[0], torch_mha(x, x, x)[0], atol=1e-6)
+            True
         """
-        _check_torch_twin(cls, "from_torch")
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(
                 f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}"
             )
-        weight = module.out_proj.weight
-        new = cls(
-            module.embed_dim,
-            module.num_heads,
-            dropout=module.dropout,
-            bias=module.in_proj_bias is not None,
-            add_bias_kv=module.bias_k is not None,
-            add_zero_attn=module.add_zero_attn,
-            kdim=module.kdim,
-            vdim=module.vdim,
-            batch_first=module.batch_first,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        if module._qkv_same_embed_dim:
-            weights = module.in_proj_weight.chunk(3)
-        else:
-            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-        biases = (
-            module.in_proj_bias.chunk(3) if module.in_proj_bias is not None else (None,) * 3
-        )
-        with torch.no_grad():
-            for proj, w, b in zip((new.q_proj, new.k_proj, new.v_proj), weights, biases):
-                proj.weight.copy_(w)
-                if b is not None:
-                    proj.bias.copy_(b)
-            new.out_proj.weight.copy_(module.out_proj.weight)
-            if new.out_proj.bias is not None:
-                new.out_proj.bias.copy_(module.out_proj.bias)
-            if module.bias_k is not None:
-                new.bias_k.copy_(module.bias_k)
-                new.bias_v.copy_(module.bias_v)
+        new = cls(**interop.constructor_kwargs(cls, module, kwargs))
+        interop.copy_weights(module, new)
         return new.train(module.training)
 
     def to_torch(self) -> nn.MultiheadAttention:
@@ -412,21 +449,7 @@ class MultiHeadAttention(nn.Module):
             device=weight.device,
             dtype=weight.dtype,
         )
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        with torch.no_grad():
-            if module._qkv_same_embed_dim:
-                module.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
-            else:
-                module.q_proj_weight.copy_(self.q_proj.weight)
-                module.k_proj_weight.copy_(self.k_proj.weight)
-                module.v_proj_weight.copy_(self.v_proj.weight)
-            if module.in_proj_bias is not None:
-                module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
-                module.out_proj.bias.copy_(self.out_proj.bias)
-            module.out_proj.weight.copy_(self.out_proj.weight)
-            if self.bias_k is not None:
-                module.bias_k.copy_(self.bias_k)
-                module.bias_v.copy_(self.bias_v)
+        interop.copy_into_torch(self, module)
         return module.train(self.training)
 
 
