@@ -223,7 +223,7 @@ class MultiHeadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend ``query`` over ``key``/``value``; see the class docstring for shapes."""
-        if query.is_nested:
+        if isinstance(query, Tensor) and query.is_nested:
             return interop.nested_forward(
                 self, query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal,

@@ -265,7 +265,7 @@ def test_bad_forward_inputs():
         local(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="query must have last dimension"):
         local(torch.randn(2, 9, 15))
-    with pytest.raises(NotImplementedError, match="from_torch"):
+    with pytest.raises(TypeError, match="from_torch needs window_size"):
         LocalAttention.from_torch(torch.nn.MultiheadAttention(16, 4))
 
 
