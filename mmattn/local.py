@@ -106,9 +106,9 @@ class LocalAttention(MultiHeadAttention):
     """
 
     no_torch_twin = (
-        "nn.MultiheadAttention has no window; use MultiHeadAttention.from_torch(m) and "
-        "load its state_dict into a LocalAttention, or MultiHeadAttention with "
-        "masks.band_mask as attn_mask"
+        "nn.MultiheadAttention has no window; MultiHeadAttention(...).load_state_dict("
+        "local.state_dict()) with ~masks.band_mask(L, window_size) as attn_mask computes the "
+        "same, and its to_torch() works"
     )
 
     def __init__(
