@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -193,13 +193,23 @@ def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     k3 = k.reshape(-1, k_len, width)  # ((b h), j, e)
     if q.dtype in (torch.float16, torch.bfloat16):
         q3, k3 = q3.float(), k3.float()
-    return torch.baddbmm(
-        q3.new_empty(()).expand(q3.shape[0], q_len, k_len),
-        q3,
-        k3.transpose(1, 2),
-        beta=0.0,
-        alpha=scale,
-    ).view(*lead, q_len, k_len)
+    # Autocast would cast baddbmm back to half precision: keep the float32 scores.
+    with _no_autocast(q.device.type):
+        scores = torch.baddbmm(
+            q3.new_empty(()).expand(q3.shape[0], q_len, k_len),
+            q3,
+            k3.transpose(1, 2),
+            beta=0.0,
+            alpha=scale,
+        )
+    return scores.view(*lead, q_len, k_len)
+
+
+def _no_autocast(device_type: str) -> AbstractContextManager:
+    """Autocast switched off on the devices that have it (a no-op elsewhere, e.g. meta)."""
+    if device_type in ("cpu", "cuda"):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 def softmax_attend(

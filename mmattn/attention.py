@@ -247,8 +247,8 @@ class MultiHeadAttention(nn.MultiheadAttention):
             is_causal = False
         if self.bias_k is not None:
             batch = q.shape[0]
-            k = torch.cat([k, self.bias_k.expand(batch, 1, -1)], dim=1)
-            v = torch.cat([v, self.bias_v.expand(batch, 1, -1)], dim=1)
+            k = torch.cat([k, self.bias_k.to(k.dtype).expand(batch, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.to(v.dtype).expand(batch, 1, -1)], dim=1)
             key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
         q, k, v = (rearrange(t, "b l (h e) -> b h l e", h=self.num_heads) for t in (q, k, v))
         if self.add_zero_attn:
@@ -339,7 +339,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
         checks.check_last_dim("key", key, self.kdim, "kdim")
         checks.check_last_dim("value", value, self.vdim, "vdim")
         # Under autocast (CPU or CUDA) the projections cast every input, as in torch.
-        autocast = torch.is_autocast_enabled(query.device.type)
+        autocast = query.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(
+            query.device.type
+        )
         for name, t in (("key", key), ("value", value)):
             if not autocast:
                 checks.check_same_dtype(name, t, "query", query)

@@ -100,8 +100,6 @@ def test_swapped_transformer_encoder_under_autocast(device, dtype):
     torch.testing.assert_close(got[~kpm].float(), expected[~kpm].float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.xfail(strict=True, reason="forward concatenates the fp32 bias_k/bias_v to the "
-                   "low-precision keys, so the weights come out fp32 (torch: low precision)")
 def test_add_bias_kv_weights_dtype_under_autocast():
     refs, ours = _stack("cpu", add_bias_kv=True)
     x = torch.randn(2, 5, 16)
