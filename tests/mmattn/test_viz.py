@@ -1,0 +1,141 @@
+"""mmattn.viz: every picture is written, has its size, is not blank; CJK labels have glyphs."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+import matplotlib.image  # noqa: E402
+
+from mmattn import MultiHeadAttention, Tokens  # noqa: E402
+from mmattn import viz  # noqa: E402
+
+DPI = 110
+RING = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 0]])
+
+
+def check_picture(fig, path) -> None:
+    """The file exists, has the figure's size in pixels, and is not one flat colour."""
+    assert path.exists() and path.stat().st_size > 2000
+    pixels = matplotlib.image.imread(path)
+    width, height = fig.get_size_inches() * DPI
+    assert abs(pixels.shape[0] - height) <= 1 and abs(pixels.shape[1] - width) <= 1
+    assert pixels[..., :3].var() > 1e-3
+
+
+def test_heatmap_from_a_real_module(tmp_path):
+    mha = MultiHeadAttention(16, 4)
+    _, weights = mha(torch.randn(1, 5, 16), need_weights=True)
+    path = tmp_path / "sub" / "heat.png"
+    fig = viz.attention_heatmap(weights[0], list("abcde"), title="self-attention", path=path)
+    check_picture(fig, path)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == list("abcde")
+    assert ax.get_images()[0].get_array().shape == (5, 5)
+
+
+def test_head_grid(tmp_path):
+    mha = MultiHeadAttention(16, 4)
+    _, weights = mha(torch.randn(1, 6, 16), need_weights=True, average_attn_weights=False)
+    path = tmp_path / "heads.png"
+    fig = viz.head_grid(weights[0], ncols=3, path=path)
+    check_picture(fig, path)
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert [ax.get_title() for ax in panels] == [f"head {h}" for h in range(4)]
+    for h, ax in enumerate(panels):
+        torch.testing.assert_close(torch.as_tensor(ax.get_images()[0].get_array()),
+                                   weights[0, h].detach())
+
+
+def test_image_attention_uses_the_patch_grid(tmp_path):
+    image = torch.zeros(3, 24, 16)
+    image[:, :12] = 1.0  # top half white
+    tokens = Tokens(torch.zeros(1, 6, 8), meta={"grid": (3, 2), "patch_size": 8, "stride": 8})
+    attention = torch.arange(6.0)
+    path = tmp_path / "image.png"
+    fig = viz.image_attention(attention, image, tokens, path=path)
+    check_picture(fig, path)
+    overlay = fig.axes[1].get_images()[1]
+    torch.testing.assert_close(torch.as_tensor(overlay.get_array()),
+                               attention.reshape(3, 2))
+    assert overlay.get_extent() == [-0.5, 15.5, 23.5, -0.5]
+
+
+def test_audio_attention(tmp_path):
+    spec = torch.randn(50, 20)
+    path = tmp_path / "audio.png"
+    fig = viz.audio_attention(torch.rand(50).softmax(0), spec, frame_rate=100.0, path=path)
+    check_picture(fig, path)
+    assert fig.axes[1].get_xlabel() == "time (s)"
+
+
+def test_graph_attention(tmp_path):
+    path = tmp_path / "graph.png"
+    attention = torch.tensor([0.05, 0.1, 0.4, 0.2, 0.15, 0.1])
+    fig = viz.graph_attention(attention, RING, query=2, node_labels=list("012345"), path=path)
+    check_picture(fig, path)
+    dots = fig.axes[0].collections[0]
+    torch.testing.assert_close(torch.as_tensor(dots.get_array()).float(), attention)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: viz.image_attention(torch.rand(15), torch.rand(3, 8, 8), (4, 4)),
+         r"\(15,\).*\(4, 4\)"),
+        (lambda: viz.image_attention(torch.rand(2, 8), torch.rand(3, 8, 8), (4, 4)),
+         r"\(2, 8\).*\(4, 4\)"),
+        (lambda: viz.audio_attention(torch.rand(9), torch.rand(10, 4)),
+         r"\(9,\).*\(10, 4\)"),
+        (lambda: viz.graph_attention(torch.rand(5), RING, num_nodes=6),
+         r"\(5,\).*6 nodes"),
+        (lambda: viz.graph_attention(torch.rand(5), RING), r"node 5 .* 5 nodes"),
+        (lambda: viz.attention_heatmap(torch.rand(3, 4), ["a", "b"]), r"2 labels .* 3 query"),
+        (lambda: viz.attention_heatmap(torch.rand(3), None), r"2-D, got shape \(3,\)"),
+    ],
+)
+def test_bad_shapes_name_both_sides(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_cjk_labels_have_glyphs(tmp_path):
+    labels = ["注意力", "查询", "キー", "값", "mix 中文"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns "Glyph ... missing from font(s)"
+        fig = viz.attention_heatmap(torch.rand(5, 5), labels, title="中文标题",
+                                    path=tmp_path / "cjk.png")
+    if viz.label_font()[1:]:
+        assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == labels
+
+
+def test_without_a_cjk_font_labels_are_escaped_not_tofu(tmp_path, monkeypatch):
+    monkeypatch.setattr(viz, "label_font", lambda: ["DejaVu Sans"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = viz.attention_heatmap(torch.rand(2, 2), ["中", "ab"], path=tmp_path / "x.png")
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["\\u4e2d", "ab"]
+
+
+def test_import_without_matplotlib_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.delitem(sys.modules, "mmattn.viz")
+    with pytest.raises(ImportError, match=r"mmattn\[examples\]"):
+        importlib.import_module("mmattn.viz")
+    monkeypatch.undo()
+    importlib.import_module("mmattn.viz")
+
+
+def test_import_mmattn_does_not_import_viz():
+    import subprocess
+
+    code = "import sys, mmattn; print('mmattn.viz' in sys.modules, 'matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "False"]
