@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ from einops import rearrange
 from torch import Tensor
 
 try:
-    import matplotlib
     from matplotlib import font_manager, ft2font
     from matplotlib.figure import Figure
 except ImportError as error:  # pragma: no cover - exercised by hiding matplotlib in a test
@@ -82,7 +81,7 @@ def _register_package_fonts() -> None:
                     font_manager.fontManager.addfont(str(file))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _charmap(family: str) -> frozenset[int]:
     path = font_manager.findfont(family, fallback_to_default=False)
     return frozenset(ft2font.FT2Font(path).get_charmap())

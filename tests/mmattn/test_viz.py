@@ -13,8 +13,8 @@ pytest.importorskip("matplotlib")
 
 import matplotlib.image  # noqa: E402
 
+import mmattn.viz as viz  # noqa: E402
 from mmattn import MultiHeadAttention, Tokens  # noqa: E402
-from mmattn import viz  # noqa: E402
 
 DPI = 110
 RING = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 0]])
