@@ -22,6 +22,7 @@ from adapters import AudioFrameEmbedder
 from examples._common import Result, Timer, accuracy, main_for, seed_everything, train_classifier
 from examples._dtmf import KEYS, SAMPLE_RATE, synthesize
 from mmattn import Encoder, masked_mean
+from mmattn.debug import record_attention
 
 EXAMPLE = "audio_dtmf"
 
@@ -54,6 +55,24 @@ class KeyClassifier(nn.Module):
         return self.head(masked_mean(self.encoder(tokens)))
 
 
+def save_attention_picture(model: KeyClassifier, wave: Tensor, key: str, path: Path) -> None:
+    """The attention each frame of one clip receives in the last block, under its spectrogram.
+
+    The local blocks give each frame's attention over its ±window neighbours; the picture
+    shows the mean over query frames of what each key frame receives (mmattn.viz).
+    """
+    from mmattn.viz import audio_attention
+
+    last = f"encoder.blocks.{len(model.encoder.blocks) - 1}.attn"
+    length = torch.tensor([wave.shape[-1]], device=wave.device)
+    with torch.no_grad(), record_attention(model) as maps:
+        model(wave[None], length)
+        spectrogram = model.audio.features(wave[None])[0]
+    received = maps[last][0][0].mean(0)  # (j,): mean over the query frames
+    audio_attention(received, spectrogram, frame_rate=SAMPLE_RATE / 80, path=path,
+                    title=f"DTMF key {key!r}: attention each frame receives (last block)")
+
+
 def run(
     device: torch.device | str = "cpu",
     seed: int = 0,
@@ -81,7 +100,11 @@ def run(
     train_classifier(model, forward, labels, train, epochs=epochs, batch_size=64, lr=3e-3,
                      desc="audio: DTMF", show=show_progress)
     acc = accuracy(forward, labels, test)
-    print(f"held-out accuracy {acc:.3f} on {n_test} clips")
+    picture = Path(out_dir or Path("out") / EXAMPLE) / "audio_dtmf_attention.png"
+    first = int(test[0])
+    save_attention_picture(model, waves[first, : int(lengths[first])], KEYS[int(labels[first])],
+                           picture)
+    print(f"held-out accuracy {acc:.3f} on {n_test} clips; attention picture: {picture}")
     return [
         Result(EXAMPLE, "DTMF key from noisy tones (16 keys)", "test accuracy", acc,
                1 / len(KEYS), "chance", 0.95, timer.seconds)

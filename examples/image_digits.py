@@ -4,7 +4,7 @@
 2D positions), a learned class token is prepended, an ``Encoder`` of two blocks mixes them,
 and the class token is classified. Held-out accuracy is measured on a stratified 25 % split.
 The attention of the class token over the patches (last block, mean over heads, recorded
-with ``mmattn.debug.record_attention``) is saved as a picture.
+with ``mmattn.debug.record_attention``) is drawn on one digit by ``mmattn.viz.image_attention``.
 
 Baseline: chance (10 %).
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from einops import rearrange, repeat
+from einops import repeat
 from torch import Tensor, nn
 
 from adapters import ImagePatcher
@@ -68,32 +68,17 @@ class DigitViT(nn.Module):
         return self.head(self.tokens(images).x[:, 0])
 
 
-def save_attention_picture(model: DigitViT, images: Tensor, labels: Tensor, path: Path) -> None:
-    """Digits beside the class token's attention over their 4x4 patch grid."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def save_attention_picture(model: DigitViT, image: Tensor, label: int, path: Path) -> None:
+    """One digit and its class token's attention over the 4x4 patch grid (mmattn.viz)."""
+    from mmattn.viz import image_attention
 
     last = f"encoder.blocks.{len(model.encoder.blocks) - 1}.attn"
     with torch.no_grad(), record_attention(model) as maps:
-        pred = model(images).argmax(-1)
-    rows, cols = model.patcher(images[:1]).meta["grid"]
-    cls_attn = rearrange(maps[last][0][:, 0, 1:], "b (r c) -> b r c", r=rows, c=cols).cpu()
-    n = images.shape[0]
-    fig, axes = plt.subplots(2, n, figsize=(1.6 * n, 3.4))
-    for i in range(n):
-        axes[0, i].imshow(images[i, 0].cpu().numpy(), cmap="gray_r")
-        axes[0, i].set_title(f"{int(labels[i])} (pred {int(pred[i])})", fontsize=8)
-        axes[1, i].imshow(cls_attn[i].numpy(), cmap="viridis")
-        for ax in axes[:, i]:
-            ax.set_xticks([])
-            ax.set_yticks([])
-    axes[1, 0].set_ylabel("class-token\nattention", fontsize=8)
-    fig.suptitle("ViT on sklearn digits: what the class token looks at", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        pred = int(model(image[None]).argmax(-1))
+    patches = model.patcher(image[None])
+    cls_attn = maps[last][0][0, 0, 1:]  # the class token's row, without its own column
+    image_attention(cls_attn, image, patches, path=path,
+                    title=f"digit {label} (predicted {pred}): what the class token looks at")
 
 
 def run(
@@ -121,7 +106,8 @@ def run(
                      lr=3e-3, desc="image: ViT", show=show_progress)
     acc = accuracy(forward, labels, test)
     picture = out_dir / "image_digits_attention.png"
-    save_attention_picture(model, images[test[:8].to(device)], labels[test[:8]], picture)
+    first = int(test[0])
+    save_attention_picture(model, images[first], int(labels[first]), picture)
     print(f"held-out accuracy {acc:.3f} on {len(test)} digits; attention picture: {picture}")
     return [
         Result(EXAMPLE, "ViT on sklearn digits (8x8)", "test accuracy", acc, 0.1, "chance",

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from adapters import ByteTokenizer, TextTokenEmbedder
 from examples._common import Result, Timer, main_for, progress, seed_everything
 from mmattn import TransformerBlock
+from mmattn.debug import record_attention
 
 EXAMPLE = "text_recall"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -73,6 +74,19 @@ class RecallModel(nn.Module):
             return self.head(self.norm(tokens.x[torch.arange(ids.shape[0]), tokens.lengths - 1]))
         mask = tokens.full_mask()[..., None]
         return self.head(self.norm((tokens.x * mask).sum(1) / mask.sum(1)))
+
+
+def save_attention_picture(model: RecallModel, text: str, tok: ByteTokenizer, path: Path,
+                           device: torch.device) -> None:
+    """The full block's attention over one string, characters as labels (mmattn.viz)."""
+    from mmattn.viz import attention_heatmap
+
+    with torch.no_grad(), record_attention(model.blocks[1]) as maps:
+        answer = int(model(tok.encode([text]).to(device)).argmax(-1))
+    weights = maps["attn"][0][0]  # (i, j) mean over heads
+    labels = [ch if ch != " " else "␣" for ch in text]  # a visible space
+    attention_heatmap(weights, labels, path=path,
+                      title=f"{text!r} -> {answer}: full-attention block (mean over heads)")
 
 
 def _train(model: nn.Module, steps: int, batch: int, lr: float, rng: random.Random,
@@ -126,6 +140,9 @@ def run(
     _train(plain, max(20, steps // 3), batch, 3e-3, rng, tok, device, "text: no attention",
            show_progress)
     plain_acc = _accuracy(plain, test_ids, test_answers)
+    picture = Path(out_dir or Path("out") / EXAMPLE) / "text_recall_attention.png"
+    save_attention_picture(model, test_texts[0], tok, picture, device)
+    print(f"attention picture: {picture}")
     print(f"held-out accuracy: attention {acc:.3f}, without attention {plain_acc:.3f}, "
           f"chance 0.100")
     return [

@@ -16,7 +16,12 @@ pytest.importorskip("torchaudio")
 pytest.importorskip("torch_geometric")
 pytest.importorskip("sklearn")
 
-PICTURES = {"image_digits": ["image_digits_attention.png"]}
+PICTURES = {
+    "image_digits": ["image_digits_attention.png"],
+    "audio_dtmf": ["audio_dtmf_attention.png"],
+    "graph_sbm": ["graph_sbm_attention.png"],
+    "text_recall": ["text_recall_attention.png"],
+}
 
 
 @pytest.mark.parametrize("name", demo.EXAMPLES)
