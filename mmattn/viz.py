@@ -343,8 +343,8 @@ def image_attention(
 
     Examples:
         >>> fig = image_attention(torch.arange(4.0), torch.rand(3, 8, 8), (2, 2))
-        >>> len(fig.axes)
-        2
+        >>> fig.axes[1].get_title()
+        'attention over 2x2 patches'
     """
     (rows, cols), meta = _grid_of(grid)
     attention = _array(attention, "attention", (1, 2))

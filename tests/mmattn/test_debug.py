@@ -64,8 +64,18 @@ def test_trace_shapes_matches_direct_calls_and_removes_hooks():
     assert by_name["blocks.0.mlp.0"].outputs == [(3, 5, 32)]  # hidden = 2 * 16
     assert by_name["blocks.1.attn"].inputs == [(3, 5, 16)] * 3
     assert by_name["blocks.1.attn"].outputs == [(3, 5, 16)]  # weights None: not a tensor
-    assert records[-1].name == ""  # the root finishes last
-    assert len(lines) == len(records) and lines[-1].startswith("(model) [Encoder]")
+    assert records[0].name == "" and records[0].depth == 0  # the root starts first
+    assert by_name["blocks.1"].depth == 1 and by_name["blocks.1.attn.q_proj"].depth == 3
+    assert len(lines) == len(records) and lines[0].startswith("(model) [Encoder]")
+    assert "\n".join(lines[:3]) == (
+        "(model) [Encoder]: (3, 5, 16) -> (3, 5, 16)\n"
+        "  0 [TransformerBlock]: (3, 5, 16) -> (3, 5, 16)\n"
+        "    norm1 [LayerNorm]: (3, 5, 16) -> (3, 5, 16)"
+    )
+    # every parent is the closest earlier record one level up, and its name prefixes ours
+    for n, record in enumerate(records[1:], start=1):
+        parent = next(r for r in reversed(records[:n]) if r.depth == record.depth - 1)
+        assert record.name.startswith(parent.name)
     assert _no_hooks(enc)
 
 
