@@ -27,6 +27,8 @@ PAGES = [
     "adapters/image.md",
     "adapters/audio.md",
     "adapters/graph.md",
+    "adapters/index.md",
+    "variants.md#writing-your-own-attention-variant",
 ]
 NEEDS = {
     "adapters/audio.md": "torchaudio",
@@ -36,8 +38,17 @@ NEEDS = {
 
 
 def blocks(page: str) -> list[tuple[str, str]]:
-    """(language, code) of every fenced block, in order."""
-    return [(m.group(1), m.group(2)) for m in FENCE.finditer((DOCS / page).read_text("utf-8"))]
+    """(language, code) of every fenced block, in order; ``page#anchor``: that section only."""
+    page, _, anchor = page.partition("#")
+    text = (DOCS / page).read_text("utf-8")
+    if anchor:
+        headings = list(re.finditer(r"^## (.+)$", text, re.M))
+        slug = [m for m in headings if re.sub(r"[^a-z0-9]+", "-", m.group(1).lower()) == anchor]
+        assert slug, f"{page} has no section #{anchor}"
+        start = slug[0].start()
+        following = [m.start() for m in headings if m.start() > start]
+        text = text[start : following[0] if following else len(text)]
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(text)]
 
 
 def run_page(page: str) -> list[tuple[str, str, str | None]]:
