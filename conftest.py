@@ -1,8 +1,10 @@
 """Repository-wide pytest setup for the docstring examples (``--doctest-modules``).
 
-The packages' ``Examples`` blocks run with ``torch`` in their namespace. A module whose
-optional library is missing is not collected, so its examples are skipped instead of failing
-on the import (the tests under tests/ skip the same way with ``importorskip``).
+The packages' ``Examples`` blocks run with ``torch`` in their namespace and the fused
+switch at its default (on), whatever ``MMATTN_FUSED_ATTN`` says for the rest of the suite.
+A module whose optional library is missing is not collected, so its examples are skipped
+instead of failing on the import (the tests under tests/ skip the same way with
+``importorskip``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from importlib.util import find_spec
 
 import pytest
 import torch
+from _pytest.doctest import DoctestItem
 
 OPTIONAL = {
     "mmattn/viz.py": "matplotlib",
@@ -23,5 +26,13 @@ collect_ignore = [path for path, library in OPTIONAL.items() if find_spec(librar
 
 
 @pytest.fixture(autouse=True)
-def _doctest_torch(doctest_namespace: dict) -> None:
+def _doctest_torch(request: pytest.FixtureRequest, doctest_namespace: dict):
+    """Doctests see ``torch`` and run with the default fused switch (they show defaults)."""
     doctest_namespace["torch"] = torch
+    if not isinstance(request.node, DoctestItem):
+        yield
+        return
+    from mmattn import _kernel
+
+    with _kernel.fused_attn(True):
+        yield

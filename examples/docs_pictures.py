@@ -13,7 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 #: The pictures the README and the docs show.
-PICTURES = ("image_digits_attention.png", "audio_dtmf_attention.png")
+PICTURES = (
+    "image_digits_attention.png",
+    "text_recall_attention.png",
+    "audio_dtmf_attention.png",
+)
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmattn import _kernel
+
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 
@@ -56,6 +58,9 @@ def run_page(page: str) -> list[tuple[str, str, str | None]]:
     fenced = blocks(page)
     namespace: dict = {"__name__": f"docs_{page}"}
     results = []
+    # the pages show the defaults: the fused path on, whatever MMATTN_FUSED_ATTN says
+    previous = _kernel.use_fused_attn()
+    _kernel.set_fused_attn(True)
     try:
         for n, (language, code) in enumerate(fenced):
             if language != "python":
@@ -68,6 +73,7 @@ def run_page(page: str) -> list[tuple[str, str, str | None]]:
             results.append((code, buffer.getvalue(), shown))
     finally:
         torch.set_printoptions(profile="default")
+        _kernel.set_fused_attn(previous)
     return results
 
 

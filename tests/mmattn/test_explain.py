@@ -41,6 +41,14 @@ class Mixed(nn.Module):
         return self.norm(y.transpose(1, 2))
 
 
+@pytest.fixture(autouse=True)
+def _fused_on():
+    """These tests name the paths taken with the default switch (on); the switch-off case
+    is tested explicitly."""
+    with _kernel.fused_attn(True):
+        yield
+
+
 def _inputs():
     x = torch.randn(2, 6, 16)
     pad = torch.zeros(2, 6, dtype=torch.bool)
