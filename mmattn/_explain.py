@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,8 +133,13 @@ def _describe_mask(mask: Tensor | None, is_causal: bool) -> str:
 
 
 def _torch_debug_messages(check, params) -> list[str]:
-    """torch's own reasons from ``can_use_*(params, debug=True)``: C++ warnings on stderr."""
-    with tempfile.TemporaryFile(mode="w+b") as sink:
+    """torch's own reasons from ``can_use_*(params, debug=True)``.
+
+    torch emits them as C++ warnings: on stderr, or as Python warnings where its warning
+    handler turns them into ones. Both are caught.
+    """
+    with tempfile.TemporaryFile(mode="w+b") as sink, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         saved = os.dup(2)
         try:
             os.dup2(sink.fileno(), 2)
@@ -143,7 +149,7 @@ def _torch_debug_messages(check, params) -> list[str]:
             os.close(saved)
         sink.seek(0)
         text = sink.read().decode(errors="replace")
-    messages = []
+    messages = [str(w.message).strip() for w in caught]
     for line in text.splitlines():
         if "Warning:" in line:
             message = line.split("Warning:", 1)[1].split(" (function", 1)[0].strip()

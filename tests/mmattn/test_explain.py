@@ -171,3 +171,15 @@ def test_not_a_module_is_a_type_error():
     with pytest.raises(TypeError, match="module must be a torch.nn.Module, got function"):
         explain(lambda x: x, torch.zeros(1))
     assert isinstance(AttentionCall("m", "C", "fused").reasons, list)
+
+
+def test_torch_debug_messages_are_caught_in_words():
+    """The capture of torch's own can_use_* reasons (used on CUDA) works: here it explains
+    that CPU tensors cannot use the CUDA flash kernel, in torch's words, every time."""
+    from mmattn._explain import _torch_debug_messages
+
+    q = torch.randn(1, 2, 4, 8)
+    params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, False, False)
+    for _ in range(2):
+        messages = _torch_debug_messages(torch.backends.cuda.can_use_flash_attention, params)
+        assert any("cuda" in m.lower() for m in messages), messages
