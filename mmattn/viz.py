@@ -161,8 +161,10 @@ def _finish(fig: Figure, title: str | None, path: PathLike | None, dpi: int = 11
     return fig
 
 
-def _draw_heatmap(ax, weights: Tensor, xlabels, ylabels, cmap: str, colorbar: bool):
-    image = ax.imshow(weights.numpy(), cmap=cmap, aspect="auto", interpolation="nearest")
+def _draw_heatmap(ax, weights: Tensor, xlabels, ylabels, cmap: str, colorbar: bool,
+                  vmax: float | None = None):
+    image = ax.imshow(weights.numpy(), cmap=cmap, aspect="auto", interpolation="nearest",
+                      vmin=0.0 if vmax is not None else None, vmax=vmax)
     family = label_font()
     for labels, set_ticks, set_labels in (
         (xlabels, ax.set_xticks, ax.set_xticklabels),
@@ -278,19 +280,24 @@ def head_grid(
     side = max(2.0, 0.22 * max(i, j) + 1.0)
     fig = _figure(side * cols + 0.8, side * rows + 0.4)
     axes = fig.subplots(rows, cols, squeeze=False)
+    top = float(weights.max()) or 1.0  # one colour scale for every head
+    image = None
     for head in range(rows * cols):
         ax = axes[head // cols][head % cols]
         if head >= h:
             ax.set_axis_off()
             continue
         first_col, last_row = head % cols == 0, head + cols >= h
-        _draw_heatmap(ax, weights[head], xlabels if last_row else None,
-                      ylabels if first_col else None, cmap, colorbar=False)
+        image = _draw_heatmap(ax, weights[head], xlabels if last_row else None,
+                              ylabels if first_col else None, cmap, colorbar=False, vmax=top)
         ax.set_title(f"head {head}", fontsize=9)
         if not first_col:
             ax.set_ylabel("")
+            ax.set_yticks([])
         if not last_row:
             ax.set_xlabel("")
+            ax.set_xticks([])
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
     return _finish(fig, title, path)
 
 
