@@ -16,7 +16,7 @@ import torch
 from _pytest.doctest import DoctestItem
 
 OPTIONAL = {
-    "mmattn/viz.py": "matplotlib",
+    "mmattn/viz": "matplotlib",
     "adapters/audio.py": "torchaudio",
     "adapters/graph.py": "torch_geometric",
     "adapters/image.py": "torchvision",  # image_transform's example

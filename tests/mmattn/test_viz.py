@@ -116,7 +116,9 @@ def test_cjk_labels_have_glyphs(tmp_path):
 
 
 def test_without_a_cjk_font_labels_are_escaped_not_tofu(tmp_path, monkeypatch):
-    monkeypatch.setattr(viz, "label_font", lambda: ["DejaVu Sans"])
+    from mmattn.viz import _common
+
+    monkeypatch.setattr(_common, "label_font", lambda: ["DejaVu Sans"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fig = viz.attention_heatmap(torch.rand(2, 2), ["中", "ab"], path=tmp_path / "x.png")
