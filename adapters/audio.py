@@ -21,8 +21,9 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from adapters._imports import require
-from adapters.base import ModalityAdapter, position_1d
+from adapters.base import ModalityAdapter
 from mmattn._checks import check_positive_int, check_rank, check_tensor
+from mmattn.position import position_1d
 from mmattn.tokens import Tokens
 
 __all__ = ["AudioFrameEmbedder", "num_frames"]

@@ -14,8 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from mmattn._checks import check_positive_int
-from mmattn.position import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from mmattn._checks import check_positive_int, first_param
 from mmattn.tokens import Tokens
 
 __all__ = ["ModalityAdapter", "available", "create"]
@@ -81,8 +80,14 @@ class ModalityAdapter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement forward")
 
     def _param_dtype_device(self) -> tuple[torch.dtype, torch.device]:
-        """dtype and device of the module's first parameter (the tokens follow them)."""
-        param = next(self.parameters())
+        """dtype and device of the module's first parameter (the tokens follow them).
+
+        An adapter without parameters uses its first floating buffer, else the default
+        dtype on the CPU.
+        """
+        param = first_param(self)
+        if param is None:
+            return torch.get_default_dtype(), torch.device("cpu")
         return param.dtype, param.device
 
 
@@ -104,6 +109,7 @@ def create(name: str, **kwargs: Any) -> ModalityAdapter:
         **kwargs: the adapter's constructor arguments.
 
     Raises:
+        TypeError: ``name`` is not a str.
         ValueError: no adapter is registered under ``name``.
         ImportError: the adapter's library is missing (the message names the pip extra).
 
@@ -111,29 +117,12 @@ def create(name: str, **kwargs: Any) -> ModalityAdapter:
         >>> create("text", vocab_size=259, embed_dim=16).embed_dim
         16
     """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"name must be a str, one of {available()}, got {type(name).__name__} ({name!r})"
+        )
     if name not in _REGISTRY:
         raise ValueError(
             f"name must be one of the registered modalities {available()}, got {name!r}"
         )
     return _REGISTRY[name](**kwargs)
-
-
-def position_1d(
-    kind: str | None,
-    dim: int,
-    max_len: int | None,
-    *,
-    device: torch.device | str | None,
-    dtype: torch.dtype | None,
-    max_len_name: str = "max_len",
-) -> nn.Module:
-    """The additive 1D position module for ``kind`` in {"sinusoidal", "learned", None}."""
-    if kind is None:
-        return nn.Identity()
-    if kind == "sinusoidal":
-        return SinusoidalPositionalEncoding(dim)
-    if kind == "learned":
-        if max_len is None:
-            raise ValueError(f"{max_len_name} must be given when positional='learned', got None")
-        return LearnedPositionalEmbedding(max_len, dim, device=device, dtype=dtype)
-    raise ValueError(f"positional must be 'sinusoidal', 'learned' or None, got {kind!r}")

@@ -13,8 +13,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from adapters.base import ModalityAdapter, position_1d
-from mmattn._checks import check_positive_int, check_rank, check_tensor
+from adapters.base import ModalityAdapter
+from mmattn._checks import (
+    check_bool,
+    check_choice,
+    check_integer_dtype,
+    check_positive_int,
+    check_range,
+    check_rank,
+    check_same_device,
+)
+from mmattn.position import POSITIONAL_1D, position_1d
 from mmattn.tokens import Tokens
 
 __all__ = ["ByteTokenizer", "TextTokenEmbedder"]
@@ -48,8 +57,8 @@ class ByteTokenizer:
     vocab_size = 256 + offset
 
     def __init__(self, *, add_bos: bool = False, add_eos: bool = False) -> None:
-        self.add_bos = add_bos
-        self.add_eos = add_eos
+        self.add_bos = check_bool("add_bos", add_bos)
+        self.add_eos = check_bool("add_eos", add_eos)
 
     def encode(self, texts: Sequence[str], max_len: int | None = None) -> Tensor:
         """Encode texts to a padded (B, L) LongTensor.
@@ -60,19 +69,18 @@ class ByteTokenizer:
                 character. ``None`` keeps everything.
 
         Shape:
-            - Output: (B, L), L = the longest encoded text; padded with ``pad_id``.
+            - Output: (B, L), L = the longest encoded text (at least 1); padded with
+              ``pad_id``. An empty list gives (0, 1).
 
         Raises:
             TypeError: ``texts`` is a bare str or holds something other than str.
-            ValueError: ``texts`` is empty, or ``max_len`` is too small for the special ids.
+            ValueError: ``max_len`` is too small for the special ids.
         """
         if isinstance(texts, str) or not isinstance(texts, Sequence):
             raise TypeError(
                 f"texts must be a list of str (wrap a single text: [text]), got "
                 f"{type(texts).__name__}"
             )
-        if len(texts) == 0:
-            raise ValueError("texts must hold at least one text, got an empty sequence")
         specials = int(self.add_bos) + int(self.add_eos)
         if max_len is not None and check_positive_int("max_len", max_len) <= specials:
             raise ValueError(f"max_len must be > {specials} (the special ids), got {max_len}")
@@ -88,7 +96,7 @@ class ByteTokenizer:
                 data = data[:cut]
             ids = [b + self.offset for b in data]
             rows.append([self.bos_id] * self.add_bos + ids + [self.eos_id] * self.add_eos)
-        length = max(max(len(r) for r in rows), 1)
+        length = max((len(r) for r in rows), default=1) or 1
         out = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
         for i, row in enumerate(rows):
             out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
@@ -97,19 +105,18 @@ class ByteTokenizer:
     def decode(self, ids: Tensor) -> list[str]:
         """Decode (B, L) ids back to texts, dropping pad/bos/eos (invalid UTF-8 -> U+FFFD).
 
+        A 1-D (L,) input is one text; (0, L) gives an empty list.
+
         Raises:
             TypeError: ``ids`` is not an integer tensor.
             ValueError: ``ids`` is not 1-D or 2-D, or holds ids outside [0, vocab_size).
         """
-        check_tensor("ids", ids)
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"ids must have an integer dtype, got {ids.dtype}")
+        check_integer_dtype("ids", ids, "token ids")
         check_rank("ids", ids, (1, 2), "(batch, length) or (length,)")
-        rows = ids.reshape(-1, ids.shape[-1]).tolist()
+        check_range("ids", ids, 0, self.vocab_size)
+        rows = ids.tolist() if ids.dim() == 2 else [ids.tolist()]
         texts = []
         for row in rows:
-            if any(i < 0 or i >= self.vocab_size for i in row):
-                raise ValueError(f"ids must lie in [0, {self.vocab_size}), got {row}")
             data = bytes(i - self.offset for i in row if i >= self.offset)
             texts.append(data.decode("utf-8", errors="replace"))
         return texts
@@ -136,7 +143,7 @@ class TextTokenEmbedder(ModalityAdapter):
         dtype: parameter dtype; the tokens come out in it.
 
     Shape:
-        - ids: (B, L), integer dtype
+        - ids: (B, L), any integer dtype (uint8 ... int64); B and L may be 0
         - Output: ``Tokens`` with x (B, L, D) and mask (B, L)
 
     Raises:
@@ -169,6 +176,7 @@ class TextTokenEmbedder(ModalityAdapter):
         self.vocab_size = check_positive_int("vocab_size", vocab_size)
         self.max_len = check_positive_int("max_len", max_len)
         check_positive_int("pad_id", pad_id, minimum=0)
+        check_choice("positional", positional, POSITIONAL_1D)
         if pad_id >= vocab_size:
             raise ValueError(f"pad_id must be < vocab_size={vocab_size}, got {pad_id}")
         self.pad_id = pad_id
@@ -189,19 +197,14 @@ class TextTokenEmbedder(ModalityAdapter):
             self.position.reset_parameters()
 
     def forward(self, ids: Tensor) -> Tokens:
-        check_tensor("ids", ids)
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"ids must have an integer dtype (token ids), got {ids.dtype}")
+        check_integer_dtype("ids", ids, "token ids")
         check_rank("ids", ids, (2,), "(batch, length)")
         if ids.shape[1] > self.max_len:
             raise ValueError(f"ids has length {ids.shape[1]}, longer than max_len={self.max_len}")
-        if ids.numel() and not torch.compiler.is_compiling():
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= self.vocab_size:
-                raise ValueError(
-                    f"ids must lie in [0, vocab_size={self.vocab_size}), got values in "
-                    f"[{low}, {high}]"
-                )
+        check_same_device("ids", ids, "the module's parameters", self.embedding.weight)
+        check_range("ids", ids, 0, self.vocab_size, "vocab_size")
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = ids.long()  # nn.Embedding takes only int32 / int64 indices
         x = self.position(self.embedding(ids))
         return Tokens(x, ids != self.pad_id, {"modality": self.modality})
 

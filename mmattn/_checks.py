@@ -3,12 +3,20 @@
 Every check raises ``ValueError`` (wrong value or shape) or ``TypeError`` (wrong type or
 dtype) with a message that names the argument and gives the expected and the actual value.
 Checks only look at Python-level facts (shapes, dtypes, devices), never at tensor values, so
-they cost nothing at run time and do not break ``torch.compile`` graphs.
+they cost nothing at run time and do not break ``torch.compile`` graphs. The one exception is
+:func:`check_range` (ids, lengths and edge indices out of range), which reads the minimum and
+maximum once and is skipped while ``torch.compile`` traces.
+
+There is one helper per kind of argument: tensors (rank, shape, width, dtype, device),
+integer tensors and their range, ints, numbers, probabilities, bools, pairs, choices, dtypes
+(also given by name), meta dicts, position offsets, and a module input against the module's
+parameters. Modules call these; they do not spell their own checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -90,9 +98,181 @@ def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
 
 
 def check_probability(name: str, value: object) -> float:
-    """Raise unless ``value`` is a number in [0, 1)."""
+    """Raise TypeError unless ``value`` is a number (not a str, None or bool), ValueError
+    unless it lies in [0, 1) (NaN does not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be a float in [0, 1), got {type(value).__name__} ({value!r})"
+        )
     if not 0.0 <= float(value) < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
     return float(value)
+
+
+# ---------------------------------------------------------------------- one helper per kind
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Raise TypeError unless ``value`` is a bool (a string like ``"no"`` is not one)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def check_number(
+    name: str,
+    value: object,
+    *,
+    minimum: float | None = None,
+    positive: bool = False,
+) -> float:
+    """Raise TypeError for non-numbers and ValueError for NaN, infinity or values too small.
+
+    ``positive`` requires ``value > 0``; ``minimum`` requires ``value >= minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if positive and number <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return number
+
+
+def check_index(name: str, value: object) -> int | Tensor:
+    """A position offset: an int >= 0, or a 0-D integer tensor (left unread for compile).
+
+    Raises TypeError for floats, bools and other types, ValueError for negative ints (which
+    would otherwise wrap around silently when used as an index).
+    """
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or not is_integer_dtype(value.dtype):
+            raise TypeError(
+                f"{name} must be an int or a 0-D integer tensor, got a tensor of shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}"
+            )
+        return value
+    return check_positive_int(name, value, minimum=0)
+
+
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """True for the integer dtypes (bool, floating and complex are not integers)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def check_integer_dtype(name: str, value: Tensor, what: str = "") -> None:
+    """Raise TypeError unless ``value`` holds integers (ids, lengths, edge indices)."""
+    check_tensor(name, value)
+    if not is_integer_dtype(value.dtype):
+        hint = f" ({what})" if what else ""
+        raise TypeError(f"{name} must have an integer dtype{hint}, got {value.dtype}")
+
+
+def check_range(name: str, value: Tensor, low: int, high: int, what: str = "") -> None:
+    """Raise ValueError unless every entry of an integer tensor lies in [low, high).
+
+    Reads the values (one device sync), so it is skipped while ``torch.compile`` traces.
+    """
+    if value.numel() == 0 or value.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    lo, hi = int(value.min()), int(value.max())
+    if lo < low or hi >= high:
+        hint = f" ({what})" if what else ""
+        raise ValueError(
+            f"{name} must lie in [{low}, {high}){hint}, got values in [{lo}, {hi}]"
+        )
+
+
+def check_pair(
+    name: str, value: object, *, minimum: int = 1, what: str = "(height, width)"
+) -> tuple[int, int]:
+    """An int (used twice) or a pair of ints, each >= ``minimum``, as a tuple."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if not isinstance(value, (tuple, list, torch.Size)) or len(value) != 2:
+        raise TypeError(f"{name} must be an int or a pair {what}, got {value!r}")
+    return (
+        check_positive_int(f"{name}[0]", value[0], minimum=minimum),
+        check_positive_int(f"{name}[1]", value[1], minimum=minimum),
+    )
+
+
+def check_choice(name: str, value: object, choices: Sequence[object]) -> object:
+    """Raise ValueError unless ``value`` is one of ``choices`` (listed in the message)."""
+    try:
+        known = value in choices
+    except TypeError:  # an unhashable value against a set-like
+        known = False
+    if not known:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_dtype(name: str, value: object, *, floating: bool = False) -> torch.dtype:
+    """A ``torch.dtype``, or its name as a string (``"float16"``, ``"torch.bfloat16"``).
+
+    Raises TypeError for anything else, and for a non-floating dtype when ``floating``.
+    """
+    dtype = value
+    if isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype (or its name), got {value!r}")
+    if floating and not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point dtype, got {dtype}")
+    return dtype
+
+
+def check_factory_dtype(name: str, value: object) -> torch.dtype | None:
+    """The ``dtype`` factory argument of a module: None or a floating dtype (or its name)."""
+    return None if value is None else check_dtype(name, value, floating=True)
+
+
+def check_meta(name: str, value: object) -> dict:
+    """Raise TypeError unless ``value`` is None or a mapping; return a shallow dict copy."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict (or None), got {type(value).__name__}")
+    return dict(value)
+
+
+def autocast_on(device: torch.device) -> bool:
+    """Whether autocast is enabled for ``device``'s type (then dtypes may legally differ)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
+        return False
+
+
+def check_matches_params(name: str, value: Tensor, param: Tensor | None) -> None:
+    """A module input must share its parameters' device, and their dtype unless autocast.
+
+    Raises ValueError (device) or TypeError (dtype) naming ``name`` at the boundary, instead
+    of an opaque error from inside the first LayerNorm or Linear.
+    """
+    if param is None:
+        return
+    if value.device != param.device:
+        raise ValueError(
+            f"{name} is on device {value.device} but the module's parameters are on "
+            f"{param.device}; move one of them (e.g. module.to({str(value.device)!r}))"
+        )
+    if value.dtype != param.dtype and not autocast_on(value.device):
+        raise TypeError(
+            f"{name} has dtype {value.dtype} but the module's parameters have dtype "
+            f"{param.dtype}; convert one of them (e.g. module.to({value.dtype}))"
+        )
+
+
+def first_param(module: torch.nn.Module) -> Tensor | None:
+    """The module's first parameter, else its first buffer, else None (no StopIteration)."""
+    for tensor in module.parameters():
+        return tensor
+    for tensor in module.buffers():
+        if tensor.is_floating_point():
+            return tensor
+    return None

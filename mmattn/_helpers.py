@@ -7,11 +7,6 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def exists(value: object) -> bool:
-    """True when ``value`` is not None."""
-    return value is not None
-
-
 def default(value: T | None, fallback: T) -> T:
     """``value`` unless it is None, else ``fallback``."""
     return fallback if value is None else value

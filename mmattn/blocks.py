@@ -23,32 +23,11 @@ from mmattn import _checks as checks
 from mmattn.attention import MultiHeadAttention
 from mmattn.cross import CrossAttention
 from mmattn.local import LocalAttention
-from mmattn.tokens import Tokens
+from mmattn.tokens import Tokens, check_tokens
 
 __all__ = ["TransformerBlock", "CrossAttentionBlock", "Encoder", "MLP"]
 
 _ATTENTION_KINDS = ("full", "local")
-
-
-def check_tokens(
-    name: str, value: object, dim: int | None = None, what: str = "embed_dim"
-) -> Tokens:
-    """Raise TypeError unless ``value`` is Tokens, ValueError unless its width is ``dim``."""
-    if not isinstance(value, Tokens):
-        raise TypeError(f"{name} must be mmattn.Tokens, got {type(value).__name__}")
-    if dim is not None and value.dim != dim:
-        raise ValueError(
-            f"{name} must have width {what}={dim}, got Tokens of shape {tuple(value.x.shape)}"
-        )
-    return value
-
-
-def zero_padding(tokens: Tokens, x: Tensor | None = None) -> Tensor:
-    """``x`` (default ``tokens.x``) with the rows at padded positions set to exactly 0."""
-    x = tokens.x if x is None else x
-    if tokens.mask is None:
-        return x
-    return torch.where(tokens.mask[..., None], x, x.new_zeros(()))
 
 
 def block_attn_mask(
@@ -111,14 +90,14 @@ class MLP(nn.Sequential):
         self[3].reset_parameters()
 
 
-def _check_common(embed_dim: object, num_heads: object, dropout: object, mlp_ratio: object):
+def _check_common(
+    embed_dim: object, num_heads: object, dropout: object, mlp_ratio: object, norm_eps: object
+) -> int:
     checks.check_positive_int("embed_dim", embed_dim)
     checks.check_positive_int("num_heads", num_heads)
     checks.check_probability("dropout", dropout)
-    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)):
-        raise TypeError(f"mlp_ratio must be a number, got {type(mlp_ratio).__name__}")
-    if mlp_ratio <= 0:
-        raise ValueError(f"mlp_ratio must be > 0, got {mlp_ratio}")
+    checks.check_number("mlp_ratio", mlp_ratio, positive=True)
+    checks.check_number("norm_eps", norm_eps, minimum=0.0)
     return max(1, round(embed_dim * mlp_ratio))
 
 
@@ -153,8 +132,10 @@ class TransformerBlock(nn.Module):
         - returns: Tokens with x (B, L, D), the same mask and meta
 
     Raises:
-        TypeError: ``tokens`` is not Tokens; bad argument types.
-        ValueError: ``tokens`` width differs from ``embed_dim``; unknown ``attention``;
+        TypeError: ``tokens`` is not Tokens or has another dtype than the parameters; bad
+            argument types.
+        ValueError: ``tokens`` width differs from ``embed_dim``, or it lives on another
+            device; ``norm_eps`` < 0 or ``mlp_ratio`` <= 0; unknown ``attention``;
             ``window_size`` missing for "local"; ``attn_mask`` of the wrong shape.
 
     Examples:
@@ -181,7 +162,7 @@ class TransformerBlock(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio)
+        hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
         if attention not in _ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {_ATTENTION_KINDS}, got {attention!r}")
         factory = {"device": device, "dtype": dtype}
@@ -228,11 +209,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, tokens: Tokens, attn_mask: Tensor | None = None) -> Tokens:
         """Self-attend and transform ``tokens``; see the class docstring."""
-        check_tokens("tokens", tokens, self.embed_dim)
+        check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
         attn_mask = block_attn_mask(
             attn_mask, tokens.batch_size, self.num_heads, tokens.length, tokens.length
         )
-        x = zero_padding(tokens)
+        x = tokens.zero_padding()
         h = self.norm1(x)
         kwargs = {}
         if self.causal and self.attention == "full":
@@ -242,7 +223,7 @@ class TransformerBlock(nn.Module):
         )
         x = x + attn
         x = x + self.mlp(self.norm2(x))
-        return tokens.replace(zero_padding(tokens, x))
+        return tokens.replace(tokens.zero_padding(x))
 
 
 class CrossAttentionBlock(nn.Module):
@@ -296,7 +277,7 @@ class CrossAttentionBlock(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio)
+        hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
         kdim = checks.check_positive_int("kdim", embed_dim if kdim is None else kdim)
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
@@ -321,8 +302,9 @@ class CrossAttentionBlock(nn.Module):
 
     def forward(self, query: Tokens, context: Tokens, attn_mask: Tensor | None = None) -> Tokens:
         """Let ``query`` attend ``context``; see the class docstring."""
-        check_tokens("query", query, self.embed_dim)
-        check_tokens("context", context, self.kdim, "kdim")
+        param = checks.first_param(self)
+        check_tokens("query", query, self.embed_dim, like=param)
+        check_tokens("context", context, self.kdim, "kdim", like=param)
         if query.batch_size != context.batch_size:
             raise ValueError(
                 f"query and context must have the same batch size, got {query.batch_size} "
@@ -331,15 +313,15 @@ class CrossAttentionBlock(nn.Module):
         attn_mask = block_attn_mask(
             attn_mask, query.batch_size, self.num_heads, query.length, context.length
         )
-        x = zero_padding(query)
-        c = self.norm_context(zero_padding(context))
+        x = query.zero_padding()
+        c = self.norm_context(context.zero_padding())
         attn, _ = self.attn(
             self.norm_query(x), c, c, key_padding_mask=context.key_padding_mask,
             attn_mask=attn_mask,
         )
         x = x + attn
         x = x + self.mlp(self.norm2(x))
-        return query.replace(zero_padding(query, x))
+        return query.replace(query.zero_padding(x))
 
 
 class Encoder(nn.Module):
@@ -414,7 +396,7 @@ class Encoder(nn.Module):
 
     def forward(self, tokens: Tokens, attn_mask: Tensor | None = None) -> Tokens:
         """Run every block, then the final norm; see the class docstring."""
-        check_tokens("tokens", tokens, self.embed_dim)
+        check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
         for block in self.blocks:
             tokens = block(tokens, attn_mask)
-        return tokens.replace(zero_padding(tokens, self.norm(tokens.x)))
+        return tokens.replace(tokens.zero_padding(self.norm(tokens.x)))

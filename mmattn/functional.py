@@ -21,8 +21,12 @@ from torch import Tensor
 
 from mmattn._blocked import local_attend
 from mmattn._checks import (
+    check_bool,
     check_floating,
     check_mask_dtype,
+    check_number,
+    check_positive_int,
+    check_probability,
     check_rank,
     check_same_device,
     check_same_dtype,
@@ -68,9 +72,14 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
-def _check_attn_mask(mask: Tensor, q: Tensor, k: Tensor) -> None:
+def _check_attn_mask(mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """Validate ``attn_mask``; return it with at least 2 dims (a (S,) mask is (1, S))."""
     check_tensor("attn_mask", mask)
     check_mask_dtype("attn_mask", mask)
+    if mask.is_floating_point() and mask.dtype != q.dtype:
+        raise TypeError(
+            f"attn_mask must be bool or have the dtype of query ({q.dtype}), got {mask.dtype}"
+        )
     check_same_device("attn_mask", mask, "query", q)
     target = (*q.shape[:-1], k.shape[-2])
     ok = mask.dim() <= len(target) and all(
@@ -80,6 +89,14 @@ def _check_attn_mask(mask: Tensor, q: Tensor, k: Tensor) -> None:
         raise ValueError(
             f"attn_mask must broadcast to (..., L, S) = {target}, got {tuple(mask.shape)}"
         )
+    return mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 2 else mask
+
+
+def _check_options(dropout_p: object, is_causal: object, scale: object) -> None:
+    check_probability("dropout_p", dropout_p)
+    check_bool("is_causal", is_causal)
+    if scale is not None:
+        check_number("scale", scale)
 
 
 @overload
@@ -133,12 +150,14 @@ def scaled_dot_product_attention(
 
     Args:
         query, key, value: projected, head-split tensors.
-        attn_mask: bool (True = may attend) or float (added to scores), broadcastable to
-            (..., L, S).
+        attn_mask: bool (True = may attend) or float in query's dtype (added to scores),
+            broadcastable to (..., L, S), any rank up to query's (a (S,) mask applies to
+            every query). A float mask holding ``+inf`` or NaN behaves as in torch: the rows
+            it touches come out NaN, on both paths, and nothing else.
         dropout_p: dropout probability on the attention weights.
         is_causal: apply a causal mask (query i sees keys j <= i), combined with
             ``attn_mask`` when both are given.
-        scale: score scale; default ``1 / sqrt(E)``.
+        scale: score scale, a finite number; default ``1 / sqrt(E)``.
         need_weights: also return the (post-dropout) attention weights.
 
     Shape:
@@ -147,9 +166,11 @@ def scaled_dot_product_attention(
 
     Raises:
         TypeError: non-tensor or non-floating inputs, mismatched dtypes, a mask that is
-            neither bool nor floating.
+            neither bool nor of query's floating dtype; ``dropout_p`` or ``scale`` not a
+            number, ``is_causal`` not a bool.
         ValueError: mismatched ranks, leading dims, widths or lengths; a mask that does not
-            broadcast to (..., L, S); inputs on different devices.
+            broadcast to (..., L, S); inputs on different devices; ``dropout_p`` outside
+            [0, 1); a NaN or infinite ``scale``.
 
     Examples:
         >>> q = k = v = torch.randn(2, 4, 5, 8)
@@ -161,9 +182,8 @@ def scaled_dot_product_attention(
     """
     _check_qkv(query, key, value)
     if attn_mask is not None:
-        _check_attn_mask(attn_mask, query, key)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        attn_mask = _check_attn_mask(attn_mask, query, key)
+    _check_options(dropout_p, is_causal, scale)
     out, weights = attend(
         query,
         key,
@@ -209,8 +229,8 @@ def local_attention(
         - returns: (B, H, L, Ev) or (B, L, Ev), like the input.
 
     Raises:
-        TypeError: ``window_size`` is not an int; non-floating inputs or mismatched dtypes;
-            ``key_mask`` is not bool.
+        TypeError: ``window_size`` is not an int, ``causal`` not a bool; non-floating inputs
+            or mismatched dtypes; ``key_mask`` is not bool.
         ValueError: ``window_size`` < 0; inputs not 3-D or 4-D, of different lengths or
             leading dims; ``key_mask`` of the wrong shape or device.
 
@@ -221,12 +241,8 @@ def local_attention(
     """
     _check_qkv(query, key, value)
     check_rank("query", query, (3, 4), "(batch, heads, length, E) or (batch, length, E)")
-    if isinstance(window_size, bool) or not isinstance(window_size, int):
-        raise TypeError(
-            f"window_size must be an int, got {type(window_size).__name__} ({window_size!r})"
-        )
-    if window_size < 0:
-        raise ValueError(f"window_size must be >= 0, got {window_size}")
+    check_positive_int("window_size", window_size, minimum=0)
+    check_bool("causal", causal)
     if key.shape[-2] != query.shape[-2]:
         raise ValueError(
             f"key must have the same length as query ({query.shape[-2]}) for local attention, "

@@ -26,8 +26,11 @@ from einops import repeat
 from torch import nn
 
 from mmattn import _checks as checks
-from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock, zero_padding
-from mmattn.tokens import Tokens
+from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
+from mmattn.tokens import RESERVED_NAMES, Tokens
+
+#: meta keys the encoder writes itself; no modality may be named so.
+RESERVED_MODALITIES = (*RESERVED_NAMES, "modalities", "fusion", "context")
 
 __all__ = ["MultiModalEncoder"]
 
@@ -46,7 +49,10 @@ class MultiModalEncoder(nn.Module):
     ``depth`` times; the output is the latents, whose size does not depend on the input
     lengths.
 
-    Modalities may be left out of a call; they are fused in the order of ``adapters``.
+    Modalities may be left out of a call; they are fused in the order of ``adapters``. The
+    learned modality embeddings are keyed by name (``modality_embedding[name]``, state_dict
+    key ``modality_embedding.<name>``), so a state_dict loads into an encoder whose adapters
+    are listed in another order without swapping them.
     The result's ``meta`` holds ``"spans"`` (``{name: (start, stop)}`` on the fused input
     sequence), each adapter's own meta under its name, ``"modalities"`` (the names in
     order) and ``"fusion"``. For "latent" the spans refer to ``meta["context"]``, the
@@ -75,8 +81,10 @@ class MultiModalEncoder(nn.Module):
     Raises:
         TypeError: ``adapters`` or ``inputs`` is not a mapping; an adapter is not a module
             or does not return Tokens.
-        ValueError: no adapters or inputs; an unknown modality name; an adapter of another
-            width; modalities with different batch sizes; unknown ``fusion``.
+        ValueError: no adapters or inputs; an unknown modality name, or a reserved one
+            ("spans", "modalities", "fusion", "context": the meta keys the encoder writes);
+            an adapter of another width; modalities with different batch sizes; unknown
+            ``fusion``.
 
     Examples:
         >>> class Vectors(nn.Module):
@@ -114,6 +122,11 @@ class MultiModalEncoder(nn.Module):
         for name, adapter in adapters.items():
             if not isinstance(name, str) or not name or "." in name:
                 raise ValueError(f"adapters keys must be non-empty names without '.', got {name!r}")
+            if name in RESERVED_MODALITIES:
+                raise ValueError(
+                    f"adapters keys must not be one of {RESERVED_MODALITIES} (meta keys of the "
+                    f"fused Tokens), got {name!r}"
+                )
             if not isinstance(adapter, nn.Module):
                 raise TypeError(
                     f"adapters[{name!r}] must be an nn.Module, got {type(adapter).__name__}"
@@ -123,15 +136,16 @@ class MultiModalEncoder(nn.Module):
                 raise ValueError(
                     f"adapters[{name!r}] has embed_dim={width}, expected embed_dim={embed_dim}"
                 )
-        if fusion not in _FUSIONS:
-            raise ValueError(f"fusion must be one of {_FUSIONS}, got {fusion!r}")
+        checks.check_choice("fusion", fusion, _FUSIONS)
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.depth = depth
         self.num_heads = num_heads
         self.fusion = fusion
         self.adapters = nn.ModuleDict(dict(adapters))
-        self.modality_embedding = nn.Parameter(torch.empty(len(adapters), embed_dim, **factory))
+        self.modality_embedding = nn.ParameterDict(
+            {name: nn.Parameter(torch.empty(embed_dim, **factory)) for name in adapters}
+        )
         block_kw = {"dropout": dropout, "mlp_ratio": mlp_ratio, **factory}
         if fusion == "concat":
             self.num_latents = None
@@ -150,7 +164,8 @@ class MultiModalEncoder(nn.Module):
 
     def reset_parameters(self) -> None:
         """Modality embeddings and latents ~ N(0, 0.02²); blocks reset; adapters untouched."""
-        nn.init.normal_(self.modality_embedding, std=0.02)
+        for embedding in self.modality_embedding.values():
+            nn.init.normal_(embedding, std=0.02)
         if self.fusion == "concat":
             self.encoder.reset_parameters()
         else:
@@ -189,7 +204,7 @@ class MultiModalEncoder(nn.Module):
         if not inputs:
             raise ValueError(f"inputs must hold at least one of {list(self.adapters)}, got none")
         parts: dict[str, Tokens] = {}
-        for index, (name, adapter) in enumerate(self.adapters.items()):
+        for name, adapter in self.adapters.items():
             if name not in inputs:
                 continue
             tokens = _call(adapter, inputs[name])
@@ -202,13 +217,15 @@ class MultiModalEncoder(nn.Module):
                     f"adapters[{name!r}] returned width {tokens.dim}, expected "
                     f"embed_dim={self.embed_dim}"
                 )
-            parts[name] = tokens.replace(tokens.x + self.modality_embedding[index])
+            embedding = self.modality_embedding[name]
+            checks.check_matches_params(f"adapters[{name!r}]'s output", tokens.x, embedding)
+            parts[name] = tokens.replace(tokens.x + embedding)
         sizes = {name: t.batch_size for name, t in parts.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"inputs must share one batch size, got {sizes}")
         fused = Tokens.cat(parts)
         fused.meta["modalities"] = list(parts)
-        return fused.replace(zero_padding(fused))
+        return fused.replace(fused.zero_padding())
 
     def forward(self, inputs: Mapping[str, Any]) -> Tokens:
         """Encode and fuse ``inputs``; see the class docstring."""

@@ -27,7 +27,15 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from mmattn._checks import check_mask_dtype, check_positive_int, check_rank, check_tensor
+from mmattn._checks import (
+    check_bool,
+    check_dtype,
+    check_integer_dtype,
+    check_mask_dtype,
+    check_positive_int,
+    check_rank,
+    check_tensor,
+)
 
 __all__ = [
     "padding_mask",
@@ -61,8 +69,7 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
         [[1, 1, 0, 0], [1, 1, 1, 1]]
     """
     check_rank("lengths", lengths, (1,), "(batch,)")
-    if lengths.is_floating_point() or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths must have an integer dtype, got {lengths.dtype}")
+    check_integer_dtype("lengths", lengths)
     longest = int(lengths.max()) if lengths.numel() else 0
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
@@ -118,6 +125,7 @@ def band_mask(
     check_positive_int("window_size", window_size, minimum=0)
     check_positive_int("q_len", q_len, minimum=0)
     k_len = q_len if k_len is None else check_positive_int("k_len", k_len, minimum=0)
+    check_bool("causal", causal)
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(k_len, device=device)[None, :]
     offset = i - j
@@ -142,8 +150,15 @@ def invert(mask: Tensor) -> Tensor:
     return ~mask
 
 
-def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+def to_additive(mask: Tensor, dtype: torch.dtype | str = torch.float32) -> Tensor:
     """SDPA-direction boolean mask -> additive float mask (0 where allowed, -inf elsewhere).
+
+    Args:
+        mask: bool, True where attention is allowed.
+        dtype: a floating dtype, or its name (``"float16"``).
+
+    Raises:
+        TypeError: ``mask`` is not bool; ``dtype`` is not a floating dtype or its name.
 
     Examples:
         >>> to_additive(torch.tensor([True, False])).tolist()
@@ -151,8 +166,7 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """
     check_tensor("mask", mask)
     check_mask_dtype("mask", mask, allow_float=False)
-    if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    dtype = check_dtype("dtype", dtype, floating=True)
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return out.masked_fill_(~mask, float("-inf"))
 

@@ -6,7 +6,8 @@ Axis key: ``b`` batch, ``l`` sequence length, ``d`` model width.
 - :class:`MaskedPool` — either of those, or the first token (a class token), as a module;
 - :class:`AttentionPool` — a learned query attends the real tokens (one cross-attention).
 
-A sequence with no real token pools to a zero vector, never NaN.
+A sequence with no real token (all padding, or length 0) pools to a zero vector, never NaN;
+padded positions never influence the result, whatever they hold (NaN and Inf included).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn.blocks import check_tokens
 from mmattn.cross import CrossAttention
-from mmattn.tokens import Tokens
+from mmattn.tokens import Tokens, check_tokens
 
 __all__ = ["masked_mean", "masked_max", "MaskedPool", "AttentionPool"]
 
@@ -44,10 +44,9 @@ def masked_mean(tokens: Tokens) -> Tensor:
     """
     check_tokens("tokens", tokens)
     if tokens.mask is None:
-        return tokens.x.mean(dim=1)
-    weights = tokens.mask.to(tokens.dtype)[..., None]  # (b, l, 1)
-    x = torch.where(tokens.mask[..., None], tokens.x, tokens.x.new_zeros(()))
-    return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
+        return tokens.x.sum(dim=1) / max(tokens.length, 1)
+    count = tokens.mask.sum(dim=1, keepdim=True).clamp_min(1).to(tokens.dtype)  # (b, 1)
+    return tokens.zero_padding().sum(dim=1) / count
 
 
 def masked_max(tokens: Tokens) -> Tensor:
@@ -66,12 +65,13 @@ def masked_max(tokens: Tokens) -> Tensor:
         [[3.0]]
     """
     check_tokens("tokens", tokens)
+    if tokens.length == 0:
+        return tokens.x.new_zeros(tokens.batch_size, tokens.dim)
     if tokens.mask is None:
         return tokens.x.amax(dim=1)
-    x = tokens.x.masked_fill(~tokens.mask[..., None], float("-inf"))
-    out = x.amax(dim=1)
-    empty = ~tokens.mask.any(dim=1)
-    return torch.where(empty[:, None], out.new_zeros(()), out)
+    real = tokens.mask[..., None]
+    out = torch.where(real, tokens.x, float("-inf")).amax(dim=1)
+    return torch.where(real.any(dim=1), out, out.new_zeros(()))
 
 
 class MaskedPool(nn.Module):
@@ -79,7 +79,7 @@ class MaskedPool(nn.Module):
 
     Args:
         mode: "mean" (:func:`masked_mean`), "max" (:func:`masked_max`) or "first" (the token
-            at position 0, e.g. a prepended class token).
+            at position 0, e.g. a prepended class token; 0 when it is padding or L = 0).
 
     Shape:
         - tokens: x (B, L, D), mask (B, L); returns (B, D)
@@ -95,9 +95,7 @@ class MaskedPool(nn.Module):
 
     def __init__(self, mode: str = "mean") -> None:
         super().__init__()
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        self.mode = mode
+        self.mode = checks.check_choice("mode", mode, _MODES)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}"
@@ -108,7 +106,9 @@ class MaskedPool(nn.Module):
         if self.mode == "max":
             return masked_max(tokens)
         check_tokens("tokens", tokens)
-        return tokens.x[:, 0]
+        if tokens.length == 0:
+            return tokens.x.new_zeros(tokens.batch_size, tokens.dim)
+        return tokens.zero_padding()[:, 0]
 
 
 class AttentionPool(nn.Module):
@@ -125,8 +125,8 @@ class AttentionPool(nn.Module):
         - tokens: x (B, L, D), mask (B, L); returns (B, D)
 
     Raises:
-        TypeError: ``tokens`` is not Tokens.
-        ValueError: ``tokens`` width differs from ``embed_dim``.
+        TypeError: ``tokens`` is not Tokens, or its dtype differs from the parameters'.
+        ValueError: ``tokens`` width differs from ``embed_dim``, or it is on another device.
 
     Examples:
         >>> AttentionPool(16, 2)(Tokens(torch.randn(3, 5, 16))).shape
@@ -155,10 +155,8 @@ class AttentionPool(nn.Module):
         return f"embed_dim={self.embed_dim}, num_heads={self.attn.num_heads}"
 
     def forward(self, tokens: Tokens) -> Tensor:
-        check_tokens("tokens", tokens, self.embed_dim)
+        check_tokens("tokens", tokens, self.embed_dim, like=self.query)
         query = repeat(self.query, "1 1 d -> b 1 d", b=tokens.batch_size)
-        x = tokens.x
-        if tokens.mask is not None:
-            x = torch.where(tokens.mask[..., None], x, x.new_zeros(()))
+        x = tokens.zero_padding()
         out, _ = self.attn(query, x, x, key_padding_mask=tokens.key_padding_mask)
         return out[:, 0]

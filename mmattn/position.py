@@ -14,7 +14,9 @@ Four kinds, each a pure function plus a small module:
 - rotary (Su et al., RoFormer), "rotate half" layout: :func:`rotary_cos_sin`,
   :func:`apply_rotary`, :class:`RotaryEmbedding`.
 
-The additive modules return ``x + position``; they never change the dtype of ``x``.
+The additive modules return ``x + position``; they never change the dtype of ``x`` and take
+only floating ``x``. Every length may be 0 (an empty table, ``x`` returned unchanged); grids
+and widths must be >= 1; offsets are ints >= 0.
 """
 
 from __future__ import annotations
@@ -24,7 +26,17 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from mmattn._checks import check_last_dim, check_positive_int, check_rank
+from mmattn._checks import (
+    check_choice,
+    check_dtype,
+    check_floating,
+    check_index,
+    check_last_dim,
+    check_number,
+    check_pair,
+    check_positive_int,
+    check_rank,
+)
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -32,11 +44,16 @@ __all__ = [
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "apply_rotary",
+    "position_1d",
     "resample_2d",
     "rotary_cos_sin",
     "sinusoidal_1d",
     "sinusoidal_2d",
 ]
+
+#: ``F.interpolate`` modes for a 2-D grid; only the interpolating ones take align_corners.
+RESAMPLE_MODES = ("bicubic", "bilinear", "nearest", "nearest-exact", "area")
+POSITIONAL_1D = ("sinusoidal", "learned", None)
 
 
 def _check_even(name: str, value: int, multiple: int = 2) -> None:
@@ -45,13 +62,13 @@ def _check_even(name: str, value: int, multiple: int = 2) -> None:
 
 
 def _check_grid(name: str, grid: object) -> tuple[int, int]:
-    if isinstance(grid, int) and not isinstance(grid, bool):
-        grid = (grid, grid)
-    if not isinstance(grid, (tuple, list)) or len(grid) != 2:
-        raise TypeError(f"{name} must be an int or a pair (rows, cols), got {grid!r}")
-    rows = check_positive_int(f"{name}[0]", grid[0])
-    cols = check_positive_int(f"{name}[1]", grid[1])
-    return rows, cols
+    return check_pair(name, grid, what="(rows, cols)")
+
+
+def _table_dtype(dtype: object) -> torch.dtype:
+    if dtype is None:
+        return torch.get_default_dtype()
+    return check_dtype("dtype", dtype, floating=True)
 
 
 def sinusoidal_1d(
@@ -72,32 +89,36 @@ def sinusoidal_1d(
     Computed in float32, then cast to ``dtype``.
 
     Args:
-        length: number of positions.
+        length: number of positions (0 gives an empty table).
         dim: encoding width, even.
-        base: the wavelength base.
-        offset: first position.
+        base: the wavelength base, > 0.
+        offset: first position, an int >= 0.
         device: where to build the table.
-        dtype: dtype of the result (default: the default float dtype).
+        dtype: a floating dtype of the result (default: the default float dtype).
 
     Shape:
         - Output: (length, dim)
 
     Raises:
-        TypeError / ValueError: ``length`` or ``dim`` not a positive int, ``dim`` odd.
+        TypeError / ValueError: ``length`` not an int >= 0, ``dim`` not a positive even int,
+            ``base`` not a positive number, ``offset`` not an int >= 0, ``dtype`` not floating.
 
     Examples:
         >>> sinusoidal_1d(5, 8).shape
         torch.Size([5, 8])
     """
-    check_positive_int("length", length)
+    check_positive_int("length", length, minimum=0)
     check_positive_int("dim", dim)
     _check_even("dim", dim)
-    pos = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
+    check_number("base", base, positive=True)
+    offset = check_index("offset", offset)
+    dtype = _table_dtype(dtype)
+    pos = torch.arange(length, device=device, dtype=torch.float32) + offset
     inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
     angles = torch.outer(pos, inv_freq)  # (l, d/2)
     table = torch.stack((angles.sin(), angles.cos()), dim=-1)
     table = rearrange(table, "l half two -> l (half two)")
-    return table.to(dtype or torch.get_default_dtype())
+    return table.to(dtype)
 
 
 def sinusoidal_2d(
@@ -126,12 +147,15 @@ def sinusoidal_2d(
         - Output: (rows * cols, dim)
 
     Raises:
-        ValueError: ``dim`` not divisible by 4, or non-positive sizes.
+        TypeError / ValueError: ``rows`` or ``cols`` not an int >= 0 (0 gives an empty
+            table), ``dim`` not a positive int divisible by 4.
 
     Examples:
         >>> sinusoidal_2d(2, 3, 8).shape
         torch.Size([6, 8])
     """
+    check_positive_int("rows", rows, minimum=0)
+    check_positive_int("cols", cols, minimum=0)
     check_positive_int("dim", dim)
     _check_even("dim", dim, 4)
     row = sinusoidal_1d(rows, dim // 2, base=base, device=device, dtype=dtype)
@@ -158,7 +182,8 @@ def resample_2d(
         table: the table, row-major.
         old_grid: (rows, cols) of ``table``.
         new_grid: the wanted (rows, cols).
-        mode: an ``F.interpolate`` mode ("bicubic", "bilinear", "nearest").
+        mode: an ``F.interpolate`` mode: "bicubic", "bilinear", "nearest", "nearest-exact"
+            or "area".
 
     Shape:
         - table: (old_rows * old_cols, dim)
@@ -168,7 +193,9 @@ def resample_2d(
         ``table`` itself when the grids are equal, else the resampled table in its dtype.
 
     Raises:
-        ValueError: ``table`` is not 2-D or does not have ``old_rows * old_cols`` rows.
+        TypeError: ``table`` is not a floating tensor; a grid is not an int or a pair.
+        ValueError: ``table`` is not 2-D or does not have ``old_rows * old_cols`` rows; a grid
+            side < 1; an unknown ``mode``.
 
     Examples:
         >>> resample_2d(torch.randn(4, 8), (2, 2), (3, 5)).shape
@@ -176,7 +203,9 @@ def resample_2d(
     """
     old_grid = _check_grid("old_grid", old_grid)
     new_grid = _check_grid("new_grid", new_grid)
+    check_choice("mode", mode, RESAMPLE_MODES)
     check_rank("table", table, (2,), "(rows * cols, dim)")
+    check_floating("table", table)
     if table.shape[0] != old_grid[0] * old_grid[1]:
         raise ValueError(
             f"table must have old_grid rows*cols={old_grid[0] * old_grid[1]} rows, "
@@ -185,7 +214,7 @@ def resample_2d(
     if old_grid == new_grid:
         return table
     grid = rearrange(table.float(), "(h w) d -> 1 d h w", h=old_grid[0])
-    kwargs = {} if mode == "nearest" else {"align_corners": False}
+    kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
     grid = F.interpolate(grid, size=new_grid, mode=mode, **kwargs)
     return rearrange(grid, "1 d h w -> (h w) d").to(table.dtype)
 
@@ -211,13 +240,14 @@ class SinusoidalPositionalEncoding(nn.Module):
         check_positive_int("dim", dim)
         _check_even("dim", dim)
         self.dim = dim
-        self.base = base
+        self.base = check_number("base", base, positive=True)
 
     def reset_parameters(self) -> None:
         """Nothing to reset: the table is fixed."""
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         check_rank("x", x, (3,), "(batch, length, dim)")
+        check_floating("x", x)
         check_last_dim("x", x, self.dim, "dim")
         table = sinusoidal_1d(
             x.shape[1], self.dim, base=self.base, offset=offset, device=x.device, dtype=x.dtype
@@ -234,15 +264,18 @@ class LearnedPositionalEmbedding(nn.Module):
     Args:
         max_len: the longest sequence it can encode.
         dim: width of the inputs.
+        max_len_name: how errors name ``max_len`` (an adapter calls it ``max_frames``).
         device: parameter device.
         dtype: parameter dtype.
 
     Shape:
-        - x: (B, L, dim) with L <= max_len
-        - Output: (B, L, dim)
+        - x: (B, L, dim) with offset + L <= max_len, floating
+        - Output: (B, L, dim), dtype of ``x`` (the table is cast to it)
 
     Raises:
-        ValueError: ``L > max_len`` or the width of ``x`` differs from ``dim``.
+        TypeError: ``x`` is not floating; ``offset`` is not an int.
+        ValueError: ``offset + L > max_len``, a negative ``offset``, or the width of ``x``
+            differs from ``dim``.
 
     Examples:
         >>> LearnedPositionalEmbedding(16, 8)(torch.zeros(2, 5, 8)).shape
@@ -254,11 +287,13 @@ class LearnedPositionalEmbedding(nn.Module):
         max_len: int,
         dim: int,
         *,
+        max_len_name: str = "max_len",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.max_len = check_positive_int("max_len", max_len)
+        self.max_len = check_positive_int(max_len_name, max_len)
+        self.max_len_name = max_len_name
         self.dim = check_positive_int("dim", dim)
         self.weight = nn.Parameter(torch.empty(max_len, dim, device=device, dtype=dtype))
         self.reset_parameters()
@@ -268,13 +303,15 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         check_rank("x", x, (3,), "(batch, length, dim)")
+        check_floating("x", x)
         check_last_dim("x", x, self.dim, "dim")
+        offset = check_index("offset", offset)
         if offset + x.shape[1] > self.max_len:
             raise ValueError(
-                f"x has length {x.shape[1]} (offset {offset}) but the learned positions hold "
-                f"max_len={self.max_len}"
+                f"x has length {x.shape[1]} (offset {int(offset)}), more than the "
+                f"{self.max_len_name}={self.max_len} learned positions"
             )
-        return x + self.weight[offset : offset + x.shape[1]]
+        return x + self.weight[offset : offset + x.shape[1]].to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"max_len={self.max_len}, dim={self.dim}"
@@ -318,7 +355,7 @@ class LearnedPositionalEmbedding2d(nn.Module):
         super().__init__()
         self.grid_size = _check_grid("grid_size", grid_size)
         self.dim = check_positive_int("dim", dim)
-        self.mode = mode
+        self.mode = check_choice("mode", mode, RESAMPLE_MODES)
         rows, cols = self.grid_size
         self.weight = nn.Parameter(torch.empty(rows * cols, dim, device=device, dtype=dtype))
         self.reset_parameters()
@@ -332,6 +369,7 @@ class LearnedPositionalEmbedding2d(nn.Module):
 
     def forward(self, x: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
         check_rank("x", x, (3,), "(batch, rows * cols, dim)")
+        check_floating("x", x)
         check_last_dim("x", x, self.dim, "dim")
         grid = self.grid_size if grid is None else _check_grid("grid", grid)
         if x.shape[1] != grid[0] * grid[1]:
@@ -339,10 +377,49 @@ class LearnedPositionalEmbedding2d(nn.Module):
                 f"x must have length rows*cols={grid[0] * grid[1]} for grid {grid}, "
                 f"got shape {tuple(x.shape)}"
             )
-        return x + self.table(grid)
+        return x + self.table(grid).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"grid_size={self.grid_size}, dim={self.dim}, mode={self.mode!r}"
+
+
+def position_1d(
+    kind: str | None,
+    dim: int,
+    max_len: int | None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    max_len_name: str = "max_len",
+) -> nn.Module:
+    """The additive 1D position module for ``kind``: "sinusoidal", "learned" or None.
+
+    Args:
+        kind: "sinusoidal" (:class:`SinusoidalPositionalEncoding`), "learned"
+            (:class:`LearnedPositionalEmbedding` of ``max_len`` positions) or None
+            (``nn.Identity``).
+        dim: width of the inputs.
+        max_len: the longest sequence, required by "learned".
+        device, dtype: factory arguments of the learned table.
+        max_len_name: how errors name ``max_len`` (an adapter may call it ``max_frames``).
+
+    Raises:
+        ValueError: unknown ``kind``; "learned" without ``max_len``.
+
+    Examples:
+        >>> position_1d("learned", 8, 16)
+        LearnedPositionalEmbedding(max_len=16, dim=8)
+    """
+    check_choice("positional", kind, POSITIONAL_1D)
+    if kind is None:
+        return nn.Identity()
+    if kind == "sinusoidal":
+        return SinusoidalPositionalEncoding(dim)
+    if max_len is None:
+        raise ValueError(f"{max_len_name} must be given when positional='learned', got None")
+    return LearnedPositionalEmbedding(
+        max_len, dim, max_len_name=max_len_name, device=device, dtype=dtype
+    )
 
 
 def rotary_cos_sin(

@@ -16,7 +16,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmattn._checks import check_rank, check_same_device, check_shape, check_tensor
+from mmattn._checks import (
+    check_matches_params,
+    check_meta,
+    check_rank,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+
+#: meta keys that ``Tokens.cat`` of a mapping writes itself; no part may be named so.
+RESERVED_NAMES = ("spans",)
 
 
 class Tokens:
@@ -26,15 +36,16 @@ class Tokens:
         x: token features.
         mask: True where a token is real, False where it is padding. ``None`` means every
             token is real.
-        meta: facts an adapter wants to pass on (image grid, audio hop, graph batch vector,
-            modality spans). Copied shallowly.
+        meta: a dict of facts an adapter wants to pass on (image grid, audio hop, graph batch
+            vector, modality spans). Copied shallowly.
 
     Shape:
         - x: (B, L, D)
         - mask: (B, L), bool
 
     Raises:
-        TypeError: ``x`` is not a floating tensor or ``mask`` is not bool.
+        TypeError: ``x`` is not a floating tensor, ``mask`` is not bool, ``meta`` is not a
+            dict.
         ValueError: wrong rank, mask shape differs from (B, L), or devices differ.
 
     Examples:
@@ -61,7 +72,7 @@ class Tokens:
             check_same_device("Tokens.mask", mask, "Tokens.x", x)
         self.x = x
         self.mask = mask
-        self.meta: dict[str, Any] = dict(meta) if meta is not None else {}
+        self.meta: dict[str, Any] = check_meta("Tokens.meta", meta)
 
     @property
     def batch_size(self) -> int:
@@ -101,6 +112,19 @@ class Tokens:
             return torch.ones(self.x.shape[:2], dtype=torch.bool, device=self.device)
         return self.mask
 
+    def zero_padding(self, x: Tensor | None = None) -> Tensor:
+        """``x`` (default ``self.x``) with the rows at padded positions set to exactly 0.
+
+        Selects with ``torch.where``, so whatever the padded rows hold (NaN, Inf) is gone.
+
+        Shape:
+            - x: (B, L, ...) with (B, L) the shape of ``mask``; returns the same shape.
+        """
+        x = self.x if x is None else x
+        if self.mask is None:
+            return x
+        return torch.where(self.mask[..., None], x, x.new_zeros(()))
+
     def replace(self, x: Tensor | None = None, **meta: Any) -> Tokens:
         """A new Tokens with ``x`` swapped (same mask) and ``meta`` updated."""
         return Tokens(self.x if x is None else x, self.mask, {**self.meta, **meta})
@@ -119,8 +143,17 @@ class Tokens:
         ``(start, stop)`` slice of that part and ``meta[name]`` its own meta.
 
         Raises:
-            ValueError: no parts, or parts disagree on batch size, width or device.
+            TypeError: ``parts`` is not a sequence or mapping of Tokens (a single Tokens
+                must be wrapped: ``Tokens.cat([t])``); parts disagree on dtype (nothing is
+                promoted silently: cast them first).
+            ValueError: no parts; parts disagree on batch size, width or device; a part is
+                named ``"spans"``.
         """
+        if isinstance(parts, Tokens) or not isinstance(parts, (Sequence, Mapping)):
+            raise TypeError(
+                "parts must be a list or a dict of Tokens (wrap a single one: "
+                f"Tokens.cat([tokens])), got {type(parts).__name__}"
+            )
         named = isinstance(parts, Mapping)
         items = list(parts.items()) if named else list(enumerate(parts))
         if not items:
@@ -130,6 +163,16 @@ class Tokens:
             if not isinstance(part, Tokens):
                 raise TypeError(
                     f"Tokens.cat part {key!r} must be Tokens, got {type(part).__name__}"
+                )
+            if named and key in RESERVED_NAMES:
+                raise ValueError(
+                    f"Tokens.cat part names must not be one of {RESERVED_NAMES} (the result's "
+                    f"meta uses them), got {key!r}"
+                )
+            if part.dtype != first.dtype:
+                raise TypeError(
+                    f"Tokens.cat part {key!r} has dtype {part.dtype} but the first part has "
+                    f"{first.dtype}; cast the parts to one dtype first (nothing is promoted)"
                 )
             if (part.batch_size, part.dim) != (first.batch_size, first.dim):
                 raise ValueError(
@@ -158,3 +201,28 @@ class Tokens:
             f"Tokens(x={tuple(self.x.shape)}, dtype={self.dtype}, device={self.device}, "
             f"mask={mask}, meta_keys={keys})"
         )
+
+
+def check_tokens(
+    name: str,
+    value: object,
+    dim: int | None = None,
+    what: str = "embed_dim",
+    *,
+    like: Tensor | None = None,
+) -> Tokens:
+    """Raise unless ``value`` is Tokens of width ``dim`` matching the parameter ``like``.
+
+    Raises:
+        TypeError: ``value`` is not Tokens; its dtype differs from ``like``'s (outside
+            autocast).
+        ValueError: its width is not ``dim``; it lives on another device than ``like``.
+    """
+    if not isinstance(value, Tokens):
+        raise TypeError(f"{name} must be mmattn.Tokens, got {type(value).__name__}")
+    if dim is not None and value.dim != dim:
+        raise ValueError(
+            f"{name} must have width {what}={dim}, got Tokens of shape {tuple(value.x.shape)}"
+        )
+    check_matches_params(name, value.x, like)
+    return value

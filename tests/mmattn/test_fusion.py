@@ -62,7 +62,7 @@ def test_embed_adds_modality_embedding_and_records_spans():
     a = enc.adapters["a"](*inputs["a"])
     b = enc.adapters["b"](*inputs["b"])
     expected = torch.cat(
-        [a.x + enc.modality_embedding[0], b.x + enc.modality_embedding[1]], dim=1
+        [a.x + enc.modality_embedding["a"], b.x + enc.modality_embedding["b"]], dim=1
     )
     expected = expected * torch.cat([a.mask, b.mask], 1)[..., None]
     torch.testing.assert_close(fused.x, expected)
@@ -106,7 +106,7 @@ def test_concat_and_latent_differ_but_share_the_embedding_stage():
     concat, latent = _encoder("concat"), _encoder("latent")
     latent.adapters.load_state_dict(concat.adapters.state_dict())
     with torch.no_grad():
-        latent.modality_embedding.copy_(concat.modality_embedding)
+        latent.modality_embedding.load_state_dict(concat.modality_embedding.state_dict())
     inputs = _inputs()
     torch.testing.assert_close(concat.embed(inputs).x, latent.embed(inputs).x)
     assert concat(inputs).x.shape[1] == 10 and latent(inputs).x.shape[1] == 16
@@ -149,7 +149,7 @@ def test_modalities_may_be_left_out():
     out = enc({"b": inputs["b"]})
     assert out.meta["spans"] == {"b": (0, 6)} and out.meta["modalities"] == ["b"]
     ref = enc.encoder(Tokens.cat({"b": enc.adapters["b"](*inputs["b"])}).replace(
-        enc.adapters["b"](*inputs["b"]).x + enc.modality_embedding[1]
+        enc.adapters["b"](*inputs["b"]).x + enc.modality_embedding["b"]
     ))
     torch.testing.assert_close(out.x, ref.x)
 
