@@ -22,7 +22,14 @@ from torch import Tensor, nn
 
 from adapters._imports import require
 from adapters.base import ModalityAdapter
-from mmattn._checks import check_positive_int, check_rank, check_tensor
+from mmattn._checks import (
+    check_choice,
+    check_floating,
+    check_integer_dtype,
+    check_positive_int,
+    check_rank,
+    check_same_device,
+)
 from mmattn.position import position_1d
 from mmattn.tokens import Tokens
 
@@ -47,8 +54,9 @@ def _resampled_length(lengths: Tensor, orig: int, new: int) -> Tensor:
 
 
 def _zero_past(wave: Tensor, lengths: Tensor) -> Tensor:
+    """Samples past each clip's length set to 0 by selection, so a NaN there vanishes too."""
     keep = torch.arange(wave.shape[-1], device=wave.device) < rearrange(lengths, "b -> b 1")
-    return wave * keep
+    return torch.where(keep, wave, 0.0)
 
 
 class AudioFrameEmbedder(ModalityAdapter):
@@ -65,6 +73,10 @@ class AudioFrameEmbedder(ModalityAdapter):
 
     Then a linear projection to ``embed_dim`` and a 1D position encoding. The front end runs
     in float32 whatever the module's dtype (the projection's input is cast to it).
+
+    Clips of any length T >= 1 work: a clip no longer than ``n_fft // 2`` samples (too short
+    for the reflect padding of the mel front end) is zero-padded at its end first, exactly as
+    it would be inside a longer padded batch. A batch of 0 clips gives 0 token sequences.
 
     Multi-channel input (B, C, T) is mixed down by the mean over channels. Input at another
     ``input_rate`` is resampled with ``torchaudio.functional.resample`` and its lengths become
@@ -91,14 +103,16 @@ class AudioFrameEmbedder(ModalityAdapter):
         dtype: parameter dtype; the tokens come out in it.
 
     Shape:
-        - waveform: (B, T) or (B, C, T), floating
+        - waveform: (B, T) or (B, C, T), floating, with T >= 1 and C >= 1 (B may be 0)
         - lengths: (B,) integer, 1 <= lengths <= T (at ``input_rate``)
         - Output: ``Tokens`` x (B, 1 + T' // hop_length, D), mask (B, L); meta
           ``hop_length``, ``sample_rate``, ``n_fft``
 
     Raises:
         TypeError: ``waveform`` not floating; ``lengths`` not integer.
-        ValueError: wrong rank; ``lengths`` of the wrong shape, below 1 or above T.
+        ValueError: wrong rank; no samples (T = 0) or no channels (C = 0); ``lengths`` of
+            the wrong shape, below 1 or above T; more frames than ``max_frames`` with
+            learned positions.
         ImportError: torchaudio is missing (``pip install "mmattn[audio]"``) for the mel front
             end or for resampling.
 
@@ -132,12 +146,13 @@ class AudioFrameEmbedder(ModalityAdapter):
         if n_fft % 2:
             raise ValueError(f"n_fft must be even (frames are centred on samples), got {n_fft}")
         self.hop_length = check_positive_int("hop_length", hop_length)
-        if frontend not in FRONTENDS:
-            raise ValueError(f"frontend must be one of {FRONTENDS}, got {frontend!r}")
+        check_choice("frontend", frontend, FRONTENDS)
         if frontend == "mel":
             require("torchaudio", "AudioFrameEmbedder(frontend='mel')")
         self.frontend = frontend
         self.positional = positional
+        if max_frames is not None:
+            check_positive_int("max_frames", max_frames)
         self.max_frames = max_frames
         features = n_mels if frontend == "mel" else n_fft
         self.proj = nn.Linear(features, embed_dim, device=device, dtype=dtype)
@@ -173,6 +188,10 @@ class AudioFrameEmbedder(ModalityAdapter):
             return frames[:, : num_frames(waveform.shape[-1], self.hop_length)]
         taf = require("torchaudio.functional", "AudioFrameEmbedder")
         window, fbanks = self._mel_tables(waveform.device)
+        frames = num_frames(waveform.shape[-1], self.hop_length)
+        short = self.n_fft // 2 + 1 - waveform.shape[-1]
+        if short > 0:  # reflect padding needs more samples than n_fft // 2: pad with zeros,
+            waveform = F.pad(waveform, (0, short))  # as a longer batch would
         power = taf.spectrogram(
             waveform,
             pad=0,
@@ -184,29 +203,35 @@ class AudioFrameEmbedder(ModalityAdapter):
             normalized=False,
             center=True,
             pad_mode="reflect",
-        )  # (b, freq, l)
+        )[..., :frames]  # (b, freq, l)
         mel = rearrange(power, "b f l -> b l f") @ fbanks  # (b, l, m)
         return taf.amplitude_to_DB(mel, 10.0, 1e-10, 0.0, None)
 
     # ----------------------------------------------------------------------- checks
     def _check(self, waveform: Tensor, lengths: Tensor | None, input_rate: int | None):
-        check_tensor("waveform", waveform)
         check_rank("waveform", waveform, (2, 3), "(batch, time) or (batch, channels, time)")
-        if not waveform.is_floating_point():
-            raise TypeError(f"waveform must have a floating-point dtype, got {waveform.dtype}")
+        check_floating("waveform", waveform)
+        if waveform.shape[-1] == 0:
+            raise ValueError(
+                f"waveform must hold at least 1 sample per clip (T >= 1), got shape "
+                f"{tuple(waveform.shape)}"
+            )
+        if waveform.dim() == 3 and waveform.shape[1] == 0:
+            raise ValueError(
+                f"waveform must have at least 1 channel, got shape {tuple(waveform.shape)}"
+            )
         if input_rate is not None:
             check_positive_int("input_rate", input_rate)
         if lengths is None:
             return
-        check_tensor("lengths", lengths)
-        if lengths.is_floating_point() or lengths.dtype == torch.bool:
-            raise TypeError(f"lengths must have an integer dtype, got {lengths.dtype}")
+        check_integer_dtype("lengths", lengths, "samples per clip")
         if tuple(lengths.shape) != (waveform.shape[0],):
             raise ValueError(
                 f"lengths must have shape (batch,)=({waveform.shape[0]},), got "
                 f"{tuple(lengths.shape)}"
             )
-        if lengths.numel() and not torch.compiler.is_compiling():
+        check_same_device("lengths", lengths, "waveform", waveform)
+        if lengths.numel() and lengths.device.type != "meta" and not torch.compiler.is_compiling():
             low, high = int(lengths.min()), int(lengths.max())
             if low < 1 or high > waveform.shape[-1]:
                 raise ValueError(
@@ -225,10 +250,14 @@ class AudioFrameEmbedder(ModalityAdapter):
             input_rate: rate of ``waveform``; None means ``sample_rate``.
         """
         self._check(waveform, lengths, input_rate)
+        check_same_device("waveform", waveform, "the module's parameters", self.proj.weight)
         dtype, device = self._param_dtype_device()
         wave = waveform.to(device=device, dtype=torch.float32)
         if wave.dim() == 3:
             wave = wave.mean(dim=1)  # mix down: (b, c, t) -> (b, t)
+        batch = wave.shape[0]
+        if batch == 0:  # no clips: run one silent clip for the shapes, keep none of it
+            wave, lengths = wave.new_zeros(1, wave.shape[-1]), None
         if lengths is not None:
             lengths = lengths.to(device=device, dtype=torch.long)
         if lengths is not None:  # nothing past a clip's end may leak into its frames
@@ -240,7 +269,12 @@ class AudioFrameEmbedder(ModalityAdapter):
             if lengths is not None:
                 lengths = _resampled_length(lengths, rate, self.sample_rate)
                 wave = _zero_past(wave, lengths)
-        feats = self.features(wave)  # (b, l, features), float32
+        feats = self.features(wave)[:batch]  # (b, l, features), float32
+        if self.positional == "learned" and feats.shape[1] > self.max_frames:
+            raise ValueError(
+                f"waveform gives {feats.shape[1]} frames, more than max_frames="
+                f"{self.max_frames} (the learned positions)"
+            )
         x = self.position(self.proj(feats.to(dtype)))
         mask = None
         if lengths is not None:

@@ -21,7 +21,13 @@ from torch import Tensor, nn
 
 from adapters._imports import require
 from adapters.base import ModalityAdapter
-from mmattn._checks import check_positive_int, check_rank, check_tensor
+from mmattn._checks import (
+    check_integer_dtype,
+    check_positive_int,
+    check_range,
+    check_rank,
+    check_same_device,
+)
 from mmattn.tokens import Tokens
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,14 +43,36 @@ def _pyg(what: str):
     return require("torch_geometric", what)
 
 
-def _check_edge_index(edge_index: object) -> Tensor:
-    check_tensor("edge_index", edge_index)
+def _check_edge_index(
+    edge_index: object, batch: Tensor | None = None, num_nodes: int | None = None
+) -> Tensor:
+    """Shape, dtype, device and range of ``edge_index``; no edge may join two graphs.
+
+    ``num_nodes`` defaults to ``len(batch)``; without either, only negative ids are refused.
+    """
+    check_integer_dtype("edge_index", edge_index, "node ids")
     if edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise ValueError(
             f"edge_index must have shape (2, num_edges), got {tuple(edge_index.shape)}"
         )
-    if edge_index.is_floating_point() or edge_index.dtype == torch.bool:
-        raise TypeError(f"edge_index must have an integer dtype, got {edge_index.dtype}")
+    if batch is not None:
+        check_rank("batch", batch, (1,), "(num_nodes,)")
+        check_integer_dtype("batch", batch, "graph id of every node")
+        check_same_device("edge_index", edge_index, "batch", batch)
+        num_nodes = batch.shape[0] if num_nodes is None else num_nodes
+    if num_nodes is None:
+        check_range("edge_index", edge_index, 0, torch.iinfo(torch.int64).max)
+    else:
+        check_range("edge_index", edge_index, 0, num_nodes, "num_nodes")
+    if batch is not None and edge_index.numel() and not torch.compiler.is_compiling():
+        graphs = batch.long()[edge_index.long()]  # (2, e): graph of source and target
+        crossing = graphs[0] != graphs[1]
+        if bool(crossing.any()):
+            first = int(crossing.nonzero()[0, 0])
+            raise ValueError(
+                "edge_index must join nodes of the same graph, got edge "
+                f"{edge_index[:, first].tolist()} between graphs {graphs[:, first].tolist()}"
+            )
     return edge_index
 
 
@@ -82,7 +110,10 @@ def neighbourhood_mask(
         - Output: (B, N_max, N_max) bool, or (B * num_heads, N_max, N_max)
 
     Raises:
-        TypeError / ValueError: bad ``edge_index`` shape or dtype, non-positive ``num_hops``.
+        TypeError / ValueError: bad ``edge_index`` shape or dtype; node ids below 0, past
+            the nodes of ``batch`` (or ``max_num_nodes`` for one graph), or an edge joining
+            two graphs; ``edge_index`` and ``batch`` on different devices; non-positive
+            ``num_hops``.
         ImportError: torch_geometric is missing.
 
     Examples:
@@ -91,7 +122,7 @@ def neighbourhood_mask(
         [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
     """
     utils = require("torch_geometric.utils", "neighbourhood_mask")
-    _check_edge_index(edge_index)
+    _check_edge_index(edge_index, batch, None if batch is not None else max_num_nodes)
     check_positive_int("num_hops", num_hops)
     adj = utils.to_dense_adj(edge_index, batch, max_num_nodes=max_num_nodes, batch_size=batch_size)
     step = rearrange(adj, "b j i -> b i j") > 0  # adj[b, source, target]; query = target
@@ -123,7 +154,10 @@ def laplacian_eigenvectors(
     zeros for the missing eigenvectors.
 
     Shape:
-        - Output: (B, N_max, k), zero on padded slots
+        - Output: (B, N_max, k), zero on padded slots; (B, 0, k) when there are no nodes
+
+    Raises:
+        TypeError / ValueError: as :func:`neighbourhood_mask`; ``k`` not a positive int.
 
     Examples:
         >>> edge_index = torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]])
@@ -131,9 +165,11 @@ def laplacian_eigenvectors(
         torch.Size([1, 3, 2])
     """
     utils = require("torch_geometric.utils", "laplacian_eigenvectors")
-    _check_edge_index(edge_index)
+    _check_edge_index(edge_index, batch, None if batch is not None else max_num_nodes)
     check_positive_int("k", k)
     adj = utils.to_dense_adj(edge_index, batch, max_num_nodes=max_num_nodes, batch_size=batch_size)
+    if adj.shape[-1] == 0:  # no nodes at all: nothing to decompose
+        return adj.new_zeros(adj.shape[0], 0, k)
     adj = ((adj + rearrange(adj, "b i j -> b j i")) > 0).float()
     adj = adj * ~torch.eye(adj.shape[-1], dtype=torch.bool, device=adj.device)
     if batch is None:
@@ -263,21 +299,29 @@ class GraphNodeSequencer(ModalityAdapter):
                 f"data.x must have in_channels={self.in_channels} columns, got shape "
                 f"{tuple(x.shape)}"
             )
+        check_same_device("data.x", x, "the module's parameters", self.proj.weight)
         edge_index = getattr(data, "edge_index", None)
         if edge_index is None:
             edge_index = torch.empty(2, 0, dtype=torch.long, device=x.device)
-        _check_edge_index(edge_index)
+        check_same_device("data.edge_index", edge_index, "data.x", x)
         batch = getattr(data, "batch", None)
         if batch is None:
-            return x, edge_index, torch.zeros(x.shape[0], dtype=torch.long, device=x.device), 1
-        check_rank("data.batch", batch, (1,), "(num_nodes,)")
-        if batch.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"data.batch must have num_nodes={x.shape[0]} entries, got {batch.shape[0]}"
-            )
-        if not isinstance(data, pyg.data.Batch) and bool((batch[1:] < batch[:-1]).any()):
-            raise ValueError("data.batch must be sorted (as Batch.from_data_list makes it)")
-        return x, edge_index, batch, getattr(data, "num_graphs", None)
+            batch, num_graphs = torch.zeros(x.shape[0], dtype=torch.long, device=x.device), 1
+        else:
+            check_rank("data.batch", batch, (1,), "(num_nodes,)")
+            check_same_device("data.batch", batch, "data.x", x)
+            if batch.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"data.batch must have num_nodes={x.shape[0]} entries, got {batch.shape[0]}"
+                )
+            if not isinstance(data, pyg.data.Batch) and bool((batch[1:] < batch[:-1]).any()):
+                raise ValueError("data.batch must be sorted (as Batch.from_data_list makes it)")
+            num_graphs = getattr(data, "num_graphs", None)
+        try:
+            _check_edge_index(edge_index, batch)
+        except (TypeError, ValueError) as err:  # name the attribute the user set
+            raise type(err)(f"data.{err}") from None
+        return x, edge_index, batch, num_graphs
 
     def _structural(
         self, x: Tensor, edge_index: Tensor, batch: Tensor, num_graphs: int | None

@@ -23,7 +23,13 @@ from torch import Tensor, nn
 
 from adapters._imports import require
 from adapters.base import ModalityAdapter
-from mmattn._checks import check_positive_int, check_rank, check_tensor
+from mmattn._checks import (
+    check_choice,
+    check_pair,
+    check_positive_int,
+    check_rank,
+    check_same_device,
+)
 from mmattn.functional import use_fused_attn
 from mmattn.position import LearnedPositionalEmbedding2d, sinusoidal_2d
 from mmattn.tokens import Tokens
@@ -32,14 +38,6 @@ __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ImagePatcher", "image_transform"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def _pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = (value, value)
-    if not isinstance(value, Sequence) or len(value) != 2:
-        raise TypeError(f"{name} must be an int or a pair (height, width), got {value!r}")
-    return check_positive_int(f"{name}[0]", value[0]), check_positive_int(f"{name}[1]", value[1])
 
 
 def _grid_and_pad(size: int, patch: int, stride: int) -> tuple[int, int]:
@@ -89,13 +87,15 @@ class ImagePatcher(ModalityAdapter):
             give the same numbers.
 
     Shape:
-        - images: (B, C, H, W), float or uint8
+        - images: (B, C, H, W), float or uint8, H and W >= 1 (B may be 0), any memory
+          format (channels-last included)
         - Output: ``Tokens`` x (B, gh * gw, D), mask None, meta ``grid=(gh, gw)``,
           ``padding=(pad_h, pad_w)``, ``patch_size``, ``stride``
 
     Raises:
         TypeError: ``images`` is not a tensor, or neither floating nor uint8.
-        ValueError: ``images`` is not 4-D or has the wrong channel count.
+        ValueError: ``images`` is not 4-D, has the wrong channel count, H = 0 or W = 0, or
+            lives on another device than the parameters.
 
     Examples:
         >>> patcher = ImagePatcher(64, patch_size=16, img_size=224)
@@ -130,12 +130,11 @@ class ImagePatcher(ModalityAdapter):
                 f"stride must be <= patch_size={patch_size} (larger would skip pixels), "
                 f"got {stride}"
             )
-        self.img_size = _pair("img_size", img_size)
+        self.img_size = check_pair("img_size", img_size)
         self.grid_size = tuple(
             _grid_and_pad(n, self.patch_size, self.stride)[0] for n in self.img_size
         )
-        if positional not in ("learned", "sincos", None):
-            raise ValueError(f"positional must be 'learned', 'sincos' or None, got {positional!r}")
+        check_choice("positional", positional, ("learned", "sincos", None))
         if positional == "sincos" and embed_dim % 4:
             raise ValueError(f"embed_dim must be divisible by 4 for 'sincos', got {embed_dim}")
         self.positional = positional
@@ -158,13 +157,18 @@ class ImagePatcher(ModalityAdapter):
 
     # ----------------------------------------------------------------------------- paths
     def _prepare(self, images: Tensor) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
-        check_tensor("images", images)
         check_rank("images", images, (4,), "(batch, channels, height, width)")
         if images.shape[1] != self.in_channels:
             raise ValueError(
                 f"images must have in_channels={self.in_channels} channels (dim 1), got shape "
                 f"{tuple(images.shape)}"
             )
+        if images.shape[2] == 0 or images.shape[3] == 0:
+            raise ValueError(
+                "images must be at least 1 x 1 pixels (a patch needs a pixel), got shape "
+                f"{tuple(images.shape)}"
+            )
+        check_same_device("images", images, "the module's parameters", self.proj.weight)
         dtype, device = self._param_dtype_device()
         if images.dtype == torch.uint8:
             images = images.to(device=device, dtype=dtype) / 255
@@ -282,7 +286,7 @@ def image_transform(
         torch.Size([3, 32, 32])
     """
     v2 = require("torchvision.transforms.v2", "image_transform")
-    size = _pair("size", size)
+    size = check_pair("size", size)
     if len(mean) != len(std):
         raise ValueError(f"mean and std must have the same length, got {len(mean)} and {len(std)}")
     return v2.Compose(

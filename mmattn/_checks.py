@@ -171,19 +171,19 @@ def check_integer_dtype(name: str, value: Tensor, what: str = "") -> None:
         raise TypeError(f"{name} must have an integer dtype{hint}, got {value.dtype}")
 
 
-def check_range(name: str, value: Tensor, low: int, high: int, what: str = "") -> None:
+def check_range(name: str, value: Tensor, low: int, high: int, high_name: str = "") -> None:
     """Raise ValueError unless every entry of an integer tensor lies in [low, high).
 
-    Reads the values (one device sync), so it is skipped while ``torch.compile`` traces.
+    ``high_name`` names the bound in the message (``"vocab_size"`` gives ``[0,
+    vocab_size=259)``). Reads the values (one device sync), so it is skipped on the meta
+    device and while ``torch.compile`` traces.
     """
     if value.numel() == 0 or value.device.type == "meta" or torch.compiler.is_compiling():
         return
     lo, hi = int(value.min()), int(value.max())
     if lo < low or hi >= high:
-        hint = f" ({what})" if what else ""
-        raise ValueError(
-            f"{name} must lie in [{low}, {high}){hint}, got values in [{lo}, {hi}]"
-        )
+        bound = f"{high_name}={high}" if high_name else f"{high}"
+        raise ValueError(f"{name} must lie in [{low}, {bound}), got values in [{lo}, {hi}]")
 
 
 def check_pair(

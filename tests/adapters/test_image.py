@@ -144,7 +144,7 @@ def test_bad_images(images, error, match):
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match="stride must be <= patch_size=4"):
         ImagePatcher(D, patch_size=4, stride=5)
-    with pytest.raises(ValueError, match="positional must be 'learned', 'sincos' or None"):
+    with pytest.raises(ValueError, match=r"positional must be one of \('learned', 'sincos'"):
         ImagePatcher(D, positional="rope")
     with pytest.raises(ValueError, match="embed_dim must be divisible by 4"):
         ImagePatcher(6, positional="sincos")

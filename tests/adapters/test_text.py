@@ -42,8 +42,8 @@ def test_tokenizer_bad_inputs():
         tok.encode("I love AI")
     with pytest.raises(TypeError, match=r"texts\[1\] must be a str, got int"):
         tok.encode(["a", 3])
-    with pytest.raises(ValueError, match="texts must hold at least one text"):
-        tok.encode([])
+    assert tok.encode([]).shape == (0, 1)  # an empty batch is empty, not an error
+    assert tok.decode(tok.encode([])) == []
     with pytest.raises(TypeError, match="ids must have an integer dtype"):
         tok.decode(torch.zeros(1, 3))
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 259\)"):
@@ -101,7 +101,7 @@ def test_embedder_bad_inputs(ids, error, match):
 def test_embedder_bad_constructor_arguments():
     with pytest.raises(ValueError, match="pad_id must be < vocab_size=5"):
         TextTokenEmbedder(5, 8, pad_id=5)
-    with pytest.raises(ValueError, match="positional must be 'sinusoidal', 'learned' or None"):
+    with pytest.raises(ValueError, match=r"positional must be one of \('sinusoidal', 'learned'"):
         TextTokenEmbedder(5, 8, positional="rotary")
 
 

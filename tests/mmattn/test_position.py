@@ -53,7 +53,7 @@ def test_sinusoidal_2d_rows_then_columns():
     [
         (lambda: sinusoidal_1d(4, 7), "dim must be divisible by 2"),
         (lambda: sinusoidal_2d(2, 2, 6), "dim must be divisible by 4"),
-        (lambda: sinusoidal_1d(0, 8), "length must be >= 1"),
+        (lambda: sinusoidal_1d(-1, 8), "length must be >= 0"),
         (lambda: rotary_cos_sin(4, 5), "dim must be divisible by 2"),
         (lambda: resample_2d(torch.zeros(5, 4), (2, 2), (3, 3)), "old_grid rows"),
     ],
