@@ -24,6 +24,7 @@ from adapters._imports import require
 from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_choice,
+    check_factory_dtype,
     check_floating,
     check_integer_dtype,
     check_positive_int,
@@ -140,6 +141,7 @@ class AudioFrameEmbedder(ModalityAdapter):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(embed_dim)
+        dtype = check_factory_dtype("dtype", dtype)
         self.sample_rate = check_positive_int("sample_rate", sample_rate)
         self.n_mels = check_positive_int("n_mels", n_mels)
         self.n_fft = check_positive_int("n_fft", n_fft, minimum=2)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from adapters._imports import require
 from adapters.base import ModalityAdapter
 from mmattn._checks import (
+    check_factory_dtype,
     check_integer_dtype,
     check_positive_int,
     check_range,
@@ -251,6 +252,7 @@ class GraphNodeSequencer(ModalityAdapter):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(embed_dim)
+        dtype = check_factory_dtype("dtype", dtype)
         _pyg("GraphNodeSequencer")
         self.in_channels = check_positive_int("in_channels", in_channels)
         if isinstance(structural, str):

@@ -25,6 +25,7 @@ from adapters._imports import require
 from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_choice,
+    check_factory_dtype,
     check_pair,
     check_positive_int,
     check_rank,
@@ -122,6 +123,7 @@ class ImagePatcher(ModalityAdapter):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(embed_dim)
+        dtype = check_factory_dtype("dtype", dtype)
         self.patch_size = check_positive_int("patch_size", patch_size)
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.stride = patch_size if stride is None else check_positive_int("stride", stride)

@@ -17,6 +17,7 @@ from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_bool,
     check_choice,
+    check_factory_dtype,
     check_integer_dtype,
     check_positive_int,
     check_range,
@@ -173,6 +174,7 @@ class TextTokenEmbedder(ModalityAdapter):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(embed_dim)
+        dtype = check_factory_dtype("dtype", dtype)
         self.vocab_size = check_positive_int("vocab_size", vocab_size)
         self.max_len = check_positive_int("max_len", max_len)
         check_positive_int("pad_id", pad_id, minimum=0)

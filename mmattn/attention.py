@@ -159,9 +159,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
         self.dropout = checks.check_probability("dropout", dropout)
         self.kdim = kdim
         self.vdim = vdim
-        self.batch_first = bool(batch_first)
+        self.batch_first = checks.check_bool("batch_first", batch_first)
         self.add_zero_attn = bool(add_zero_attn)
-        factory = {"device": device, "dtype": dtype}
+        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(kdim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(vdim, embed_dim, bias=bias, **factory)

@@ -76,7 +76,7 @@ class MLP(nn.Sequential):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        factory = {"device": device, "dtype": dtype}
+        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
         super().__init__(
             nn.Linear(embed_dim, hidden_dim, bias=bias, **factory),
             nn.GELU(),
@@ -165,7 +165,7 @@ class TransformerBlock(nn.Module):
         hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
         if attention not in _ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {_ATTENTION_KINDS}, got {attention!r}")
-        factory = {"device": device, "dtype": dtype}
+        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.mlp_ratio = mlp_ratio
@@ -279,7 +279,7 @@ class CrossAttentionBlock(nn.Module):
         super().__init__()
         hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
         kdim = checks.check_positive_int("kdim", embed_dim if kdim is None else kdim)
-        factory = {"device": device, "dtype": dtype}
+        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.kdim = kdim

@@ -142,6 +142,7 @@ class AttentionPool(nn.Module):
     ) -> None:
         super().__init__()
         checks.check_positive_int("embed_dim", embed_dim)
+        dtype = checks.check_factory_dtype("dtype", dtype)
         self.embed_dim = embed_dim
         self.query = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
         self.attn = CrossAttention(embed_dim, num_heads, device=device, dtype=dtype)

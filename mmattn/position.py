@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from mmattn._checks import (
     check_choice,
     check_dtype,
+    check_factory_dtype,
     check_floating,
     check_index,
     check_last_dim,
@@ -36,6 +37,7 @@ from mmattn._checks import (
     check_pair,
     check_positive_int,
     check_rank,
+    check_same_device,
 )
 
 __all__ = [
@@ -295,6 +297,7 @@ class LearnedPositionalEmbedding(nn.Module):
         self.max_len = check_positive_int(max_len_name, max_len)
         self.max_len_name = max_len_name
         self.dim = check_positive_int("dim", dim)
+        dtype = check_factory_dtype("dtype", dtype)
         self.weight = nn.Parameter(torch.empty(max_len, dim, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -305,6 +308,7 @@ class LearnedPositionalEmbedding(nn.Module):
         check_rank("x", x, (3,), "(batch, length, dim)")
         check_floating("x", x)
         check_last_dim("x", x, self.dim, "dim")
+        check_same_device("x", x, "the module's parameters", self.weight)
         offset = check_index("offset", offset)
         if offset + x.shape[1] > self.max_len:
             raise ValueError(
@@ -356,6 +360,7 @@ class LearnedPositionalEmbedding2d(nn.Module):
         self.grid_size = _check_grid("grid_size", grid_size)
         self.dim = check_positive_int("dim", dim)
         self.mode = check_choice("mode", mode, RESAMPLE_MODES)
+        dtype = check_factory_dtype("dtype", dtype)
         rows, cols = self.grid_size
         self.weight = nn.Parameter(torch.empty(rows * cols, dim, device=device, dtype=dtype))
         self.reset_parameters()
@@ -371,6 +376,7 @@ class LearnedPositionalEmbedding2d(nn.Module):
         check_rank("x", x, (3,), "(batch, rows * cols, dim)")
         check_floating("x", x)
         check_last_dim("x", x, self.dim, "dim")
+        check_same_device("x", x, "the module's parameters", self.weight)
         grid = self.grid_size if grid is None else _check_grid("grid", grid)
         if x.shape[1] != grid[0] * grid[1]:
             raise ValueError(
