@@ -289,7 +289,7 @@ def attend(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 else 1
+    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] else 1
     explicit = need_weights or not _FUSED_ATTN
     if is_causal and (mask is not None or explicit):
         mask = with_causal(mask, q.shape[-2], k.shape[-2], q.device)
