@@ -24,7 +24,6 @@ how many cases each outcome class holds.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -286,7 +285,7 @@ def _sdpa_subjects() -> list[Subject]:
             build=lambda: partial(MF.local_attention, window_size=1),
             inputs=lambda s: {**_qkv_heads(s, "l"), "key_mask": ~_pad(s["b"], s["l"])},
             args={
-                "query": Arg("b h l e", width="e", pad=lambda kw: ~kw["key_mask"][:, None, :, None]),
+                "query": Arg("b h l e", width="e", pad=_key_pad_heads("key_mask")),
                 "key": Arg("b h l e", width="e", pad=_key_pad_heads("key_mask")),
                 "value": Arg("b h l e", pad=_key_pad_heads("key_mask")),
                 "key_mask": Arg("b l", kind="mask", width="l",
@@ -305,13 +304,17 @@ def _tokens_subjects() -> list[Subject]:
             cross: bool = False) -> Subject:
         args = {"tokens": Arg("b l d", kind="tokens", width="d" if params else None,
                               bad_dtypes=(torch.float64,) if params else (), device=params)}
-        inputs: Callable[[dict], dict] = lambda s: {"tokens": _tokens(s["b"], s["l"], s["d"])}
+        def inputs(s: dict) -> dict:
+            return {"tokens": _tokens(s["b"], s["l"], s["d"])}
+
         empty = ("b", "l")
         if cross:
             args = {"query": Arg("b l d", kind="tokens", width="d"),
                     "context": Arg("b j k", kind="tokens", width="k")}
-            inputs = lambda s: {"query": _tokens(s["b"], s["l"], s["d"]),
-                                "context": _tokens(s["b"], s["j"], s["k"])}
+            def inputs(s: dict) -> dict:
+                return {"query": _tokens(s["b"], s["l"], s["d"]),
+                        "context": _tokens(s["b"], s["j"], s["k"])}
+
             empty = ("b", "l", "j")
         return Subject(
             name=name, build=build, inputs=inputs, args=args, out=out,
@@ -373,7 +376,8 @@ def _position_subjects() -> list[Subject]:
     x_arg = Arg("b l d", width="d", device=False)
     return [
         Subject(
-            name="SinusoidalPositionalEncoding", build=_module(position.SinusoidalPositionalEncoding, d),
+            name="SinusoidalPositionalEncoding",
+            build=_module(position.SinusoidalPositionalEncoding, d),
             inputs=lambda s: {"x": torch.randn(s["b"], s["l"], s["d"])},
             args={"x": x_arg}, out="b l d", empty_ok=("b", "l"),
         ),
@@ -427,7 +431,7 @@ def _mask_subjects() -> list[Subject]:
                 oob=(("mask", lambda kw: torch.full((2, 3), NAN)),
                      ("mask", lambda kw: torch.full((2, 3), 1.0)))),
         Subject(name="masks.expand_heads", build=lambda: partial(masks.expand_heads, num_heads=2),
-                inputs=lambda s: {"mask": _pad(s["b"], s["i"] * s["j"]).view(s["b"], s["i"], s["j"])},
+                inputs=lambda s: {"mask": torch.rand(s["b"], s["i"], s["j"]) > 0.5},
                 args={"mask": Arg("b i j", kind="mask", device=False, bad_dtypes=())},
                 out=lambda s: (2 * s["b"], s["i"], s["j"]), batched=False,
                 empty_ok=("b", "i", "j")),
@@ -445,6 +449,10 @@ def _audio_inputs(s: dict) -> dict:
     b, t = s["b"], s["t"]
     lengths = torch.tensor([t - 20, t, t // 2, 1])[:b] if t > 20 else torch.full((b,), t)
     return {"waveform": torch.randn(b, t), "lengths": lengths}
+
+
+def _past_lengths(kwargs: dict) -> Tensor:
+    return torch.arange(kwargs["waveform"].shape[1]) >= kwargs["lengths"][:, None]
 
 
 def _adapter_subjects() -> list[Subject]:
@@ -485,11 +493,10 @@ def _adapter_subjects() -> list[Subject]:
     for frontend in ("mel", "raw"):
         subjects.append(Subject(
             name=f"AudioFrameEmbedder[{frontend}]",
-            build=_module(adapters.AudioFrameEmbedder, d, n_mels=8, n_fft=16, hop_length=8,
+            build=_module(adapters.AudioFrameEmbedder, d, n_mels=4, n_fft=32, hop_length=8,
                           frontend=frontend),
             inputs=_audio_inputs,
-            args={"waveform": Arg("b t", ranks=(3,), pad=lambda kw: torch.arange(kw["waveform"].shape[1])
-                                  >= kw["lengths"][:, None]),
+            args={"waveform": Arg("b t", ranks=(3,), pad=_past_lengths),
                   "lengths": Arg("b", kind="index")},
             out=lambda s: (s["b"], _frames(s), SIZES["d"]), pick=lambda t: t.x,
             real_out=lambda kw, out: (torch.arange(out.shape[1])
@@ -704,7 +711,8 @@ def _cases(subject: Subject):  # noqa: C901 - one branch per kind of perturbatio
         # layouts: same numbers as the contiguous input
         if rank >= 2 and arg.kind != "mask":
             def contiguous(kw: dict, name: str = name) -> dict:
-                return {**kw, name: _on(kw[name], lambda t: t.contiguous(), lambda m: m.contiguous())}
+                value = _on(kw[name], lambda t: t.contiguous(), lambda m: m.contiguous())
+                return {**kw, name: value}
 
             yield matches(f"{name}-non-contiguous", with_arg(name, lambda v: _on(
                 v, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1))), contiguous)
@@ -740,6 +748,318 @@ def _cases(subject: Subject):  # noqa: C901 - one branch per kind of perturbatio
 MATRIX = [case for subject in SUBJECTS for case in _cases(subject)]
 
 
-@pytest.mark.parametrize("outcome, run", MATRIX)
-def test_matrix(outcome: str, run: Callable[[], None]) -> None:
-    run()
+# --------------------------------------------------------------------------- explicit cases
+# Items of the hardening issue that no generic rule reaches, each a named case.
+
+
+def _raises(error: type, *names: str) -> Callable[[Callable[[], Any]], Callable[[], None]]:
+    """A case that must raise ``error`` whose message names one of ``names``."""
+
+    def wrap(call: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            with pytest.raises(error) as info:
+                call()
+            assert any(n in str(info.value) for n in names), f"{info.value} names none of {names}"
+
+        return run
+
+    return wrap
+
+
+def _close(a: Tensor, b: Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _sdpa_1d_mask() -> None:
+    q, (k, v) = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 2, 5, 8).unbind(0)
+    keep = torch.tensor([True, False, True, True, False])
+    for fused in (True, False):
+        with MF.fused_attn(fused):
+            _close(MF.scaled_dot_product_attention(q, k, v, keep),
+                   MF.scaled_dot_product_attention(q, k, v, keep.expand(4, 5)))
+            _close(MF.scaled_dot_product_attention(q, k, v, torch.tensor(True)),
+                   MF.scaled_dot_product_attention(q, k, v))
+
+
+def _sdpa_float_mask_dtype() -> None:
+    q = k = v = torch.randn(1, 2, 3, 4)
+    for fused in (True, False):
+        with MF.fused_attn(fused), pytest.raises(TypeError, match="attn_mask must be bool or"):
+            MF.scaled_dot_product_attention(q, k, v, torch.zeros(3, 3, dtype=torch.float64))
+
+
+def _paths_agree() -> None:
+    """Fused and explicit give the same numbers: NaN at padded keys, dead rows, float masks."""
+    q, (k, v) = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 2, 6, 8).unbind(0)
+    pad = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    pad[0, ..., -2:] = False
+    dead = pad.expand(2, 2, 4, 6).clone()
+    dead[1, 0, 2] = False  # a query row with no key
+    k_nan = k.clone()
+    k_nan[0, :, -2:] = NAN  # padded keys holding NaN
+    for mask in (pad, dead, masks.to_additive(dead)):
+        with MF.fused_attn(True):
+            fused = MF.scaled_dot_product_attention(q, k_nan, v, mask, scale=0.3)
+            clean = MF.scaled_dot_product_attention(q, k, v, mask, scale=0.3)
+        explicit, _ = MF.scaled_dot_product_attention(
+            q, k_nan, v, mask, scale=0.3, need_weights=True
+        )
+        _close(fused, explicit)
+        _close(fused, clean)
+
+
+def _inf_in_float_mask_confined() -> None:
+    """+inf / NaN in a float mask behave as in torch: NaN in the rows they touch, only there."""
+    q, (k, v) = torch.randn(1, 2, 4, 8), torch.randn(2, 1, 2, 5, 8).unbind(0)
+    for bad in (INF, NAN):
+        mask = torch.zeros(4, 5)
+        mask[1, 2] = bad
+        for need in (False, True):
+            out = MF.scaled_dot_product_attention(q, k, v, mask, need_weights=need)
+            out = out[0] if need else out
+            assert out[:, :, 1].isnan().all()
+            rows = [0, 2, 3]
+            _close(out[:, :, rows], MF.scaled_dot_product_attention(q, k, v)[:, :, rows])
+
+
+def _linformer_nan_padding() -> None:
+    attn = mmattn.LinformerAttention(8, 2, seq_len=6, proj_len=3).eval()
+    x = torch.randn(2, 6, 8)
+    pad = _pad(2, 6)
+    clean, _ = attn(x, key_padding_mask=pad)
+    out, _ = attn(x, torch.where(pad[..., None], NAN, x), key_padding_mask=pad)
+    _close(out, clean)
+
+
+def _audio_short_clip() -> None:
+    audio = adapters.AudioFrameEmbedder(8, n_mels=8, n_fft=64, hop_length=16).eval()
+    clip = torch.randn(1, 20)  # <= n_fft // 2: too short for reflect padding
+    alone = audio(clip)
+    batch = audio(torch.cat([clip, torch.zeros(1, 60)], 1).expand(2, 80).contiguous(),
+                  lengths=torch.tensor([20, 80]))
+    assert alone.length == 1 + 20 // 16
+    torch.testing.assert_close(alone.x[0], batch.x[0, : alone.length], rtol=1e-3, atol=1e-4)
+    assert audio(torch.randn(2, 1)).x.shape == (2, 1, 8)
+
+
+def _text_small_int_ids() -> None:
+    emb = adapters.TextTokenEmbedder(20, 8)
+    ids = torch.randint(0, 20, (2, 5))
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+        out = emb(ids.to(dtype))
+        _close(out.x, emb(ids).x)
+        assert torch.equal(out.mask, ids != 0)
+
+
+def _learned_keeps_dtype() -> None:
+    pos = position.LearnedPositionalEmbedding(8, 4)
+    x = torch.randn(2, 3, 4, dtype=torch.float16)
+    out = pos(x)
+    assert out.dtype == torch.float16
+    _close(out, x + pos.weight[:3].half())
+    pos2d = position.LearnedPositionalEmbedding2d(2, 4)
+    assert pos2d(torch.randn(1, 4, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def _state_dict_by_name() -> None:
+    def encoder(order: tuple[str, ...]) -> mmattn.MultiModalEncoder:
+        parts = {"a": nn.Linear(3, 8), "b": nn.Linear(3, 8)}
+        wrapped = {n: _TokensOf(parts[n]) for n in order}
+        return mmattn.MultiModalEncoder(wrapped, 8, 1, 2)
+
+    first, second = encoder(("a", "b")), encoder(("b", "a"))
+    second.load_state_dict(first.state_dict())
+    inputs = {"a": torch.randn(2, 3, 3), "b": torch.randn(2, 4, 3)}
+    out1, out2 = first(inputs), second(inputs)
+    for name in "ab":
+        start1, stop1 = out1.meta["spans"][name]
+        start2, stop2 = out2.meta["spans"][name]
+        _close(first.embed(inputs).x[:, start1:stop1], second.embed(inputs).x[:, start2:stop2])
+
+
+class _TokensOf(nn.Module):
+    def __init__(self, proj: nn.Module) -> None:
+        super().__init__()
+        self.proj = proj
+        self.embed_dim = 8
+
+    def forward(self, v: Tensor) -> Tokens:
+        return Tokens(self.proj(v))
+
+
+class _NoParams(adapters.ModalityAdapter, register=False):
+    def forward(self, values: Tensor) -> Tokens:
+        dtype, _ = self._param_dtype_device()
+        return Tokens(values.to(dtype))
+
+
+def _graph(edges: list[list[int]], sizes: tuple[int, ...] = (3, 2)) -> Any:
+    from torch_geometric.data import Batch, Data
+
+    graphs = [Data(x=torch.randn(n, 4), edge_index=torch.empty(2, 0, dtype=torch.long))
+              for n in sizes]
+    batch = Batch.from_data_list(graphs)
+    batch.edge_index = torch.tensor(edges, dtype=torch.long).reshape(2, -1)
+    return batch
+
+
+def _zero_node_laplacian() -> None:
+    seq = adapters.GraphNodeSequencer(4, 8, structural=("laplacian", "degree"))
+    from torch_geometric.data import Data
+
+    out = seq(Data(x=torch.randn(0, 4), edge_index=torch.empty(2, 0, dtype=torch.long)))
+    assert out.x.shape == (1, 0, 8)
+    empty = torch.empty(2, 0, dtype=torch.long)
+    assert adapters.laplacian_eigenvectors(empty, None, 2).shape == (1, 0, 2)
+    with_empty = seq(_graph([], (0, 3)))
+    assert with_empty.x.shape == (2, 3, 8) and with_empty.lengths.tolist() == [0, 3]
+
+
+def _tokens_cat_dtype() -> Any:
+    return Tokens.cat([Tokens(torch.randn(1, 2, 4)), Tokens(torch.randn(1, 2, 4).double())])
+
+
+def _empty_pools() -> None:
+    for mask in (None, torch.zeros(2, 0, dtype=torch.bool)):
+        tokens = Tokens(torch.randn(2, 0, 4), mask)
+        for pool in (mmattn.masked_mean, mmattn.masked_max, mmattn.MaskedPool("first"),
+                     mmattn.AttentionPool(4)):
+            out = pool(tokens)
+            assert out.shape == (2, 4) and out.isfinite().all()
+    assert mmattn.masked_mean(Tokens(torch.randn(2, 0, 4))).abs().sum() == 0
+
+
+def _explicit_empty_lengths() -> None:
+    mha = mmattn.MultiHeadAttention(8, 2)
+    for q_len, k_len in ((0, 4), (4, 0), (0, 0)):
+        out, weights = mha(torch.randn(2, q_len, 8), torch.randn(2, k_len, 8),
+                           need_weights=True)
+        assert out.shape == (2, q_len, 8) and weights.shape == (2, q_len, k_len)
+        _close(out, mha.out_proj.bias.expand(2, q_len, 8))
+
+
+def _dropout_names() -> None:
+    q = torch.randn(1, 1, 2, 4)
+    for bad, error in (("0.1", TypeError), (None, TypeError), (1.5, ValueError),
+                       (NAN, ValueError)):
+        with pytest.raises(error, match="dropout_p"):
+            MF.scaled_dot_product_attention(q, q, q, dropout_p=bad)
+    with pytest.raises(TypeError, match="dropout"):
+        mmattn.MultiHeadAttention(8, 2, dropout="0.1")
+
+
+def _factory_dtypes() -> None:
+    for build in (
+        lambda: mmattn.MultiHeadAttention(8, 2, dtype=torch.long),
+        lambda: mmattn.TransformerBlock(8, 2, dtype=torch.int32),
+        lambda: mmattn.AttentionPool(8, dtype=torch.long),
+        lambda: mmattn.MultiModalEncoder({"a": _TokensOf(nn.Linear(3, 8))}, 8, 1, 2,
+                                         dtype=torch.long),
+        lambda: position.LearnedPositionalEmbedding(4, 8, dtype=torch.long),
+        lambda: adapters.ImagePatcher(8, dtype=torch.uint8),
+        lambda: adapters.TextTokenEmbedder(20, 8, dtype=torch.long),
+        lambda: adapters.AudioFrameEmbedder(8, frontend="raw", dtype=torch.int16),
+    ):
+        with pytest.raises(TypeError, match="dtype must be a floating-point dtype"):
+            build()
+
+
+EXTRA = [
+    # 1. padding never leaks
+    pytest.param(MATCHES, _linformer_nan_padding, id="LinformerAttention-nan-keys-past-padding"),
+    pytest.param(CONFINED, _inf_in_float_mask_confined, id="sdpa-inf-or-nan-in-float-mask"),
+    # 2. empty sizes
+    pytest.param(MATCHES, _explicit_empty_lengths, id="MultiHeadAttention-explicit-L0-S0"),
+    pytest.param(MATCHES, _empty_pools, id="pools-length-0"),
+    pytest.param(MATCHES, lambda: adapters.ByteTokenizer().decode(
+        torch.zeros(0, 0, dtype=torch.long)) == [], id="ByteTokenizer-decode-0x0"),
+    pytest.param(MATCHES, lambda: position.sinusoidal_1d(0, 8).shape == (0, 8),
+                 id="sinusoidal_1d-length-0"),
+    # 3. adapters' edges
+    pytest.param(MATCHES, _audio_short_clip, id="AudioFrameEmbedder-short-clip"),
+    pytest.param(RAISES, _raises(ValueError, "waveform")(lambda: adapters.AudioFrameEmbedder(
+        8, frontend="raw")(torch.randn(2, 0, 50))), id="AudioFrameEmbedder-no-channels"),
+    pytest.param(RAISES, _raises(ValueError, "waveform")(lambda: adapters.AudioFrameEmbedder(
+        8, frontend="raw")(torch.randn(2, 0))), id="AudioFrameEmbedder-raw-T0"),
+    pytest.param(MATCHES, _text_small_int_ids, id="TextTokenEmbedder-small-int-ids"),
+    # 4. graphs
+    pytest.param(RAISES, _raises(ValueError, "edge_index")(lambda: adapters.GraphNodeSequencer(
+        4, 8, structural="degree")(_graph([[0, 7], [1, 0]]))), id="Graph-edge-out-of-range"),
+    pytest.param(RAISES, _raises(ValueError, "edge_index")(lambda: adapters.GraphNodeSequencer(
+        4, 8)(_graph([[0, -1], [1, 0]]))), id="Graph-negative-edge"),
+    pytest.param(RAISES, _raises(ValueError, "edge_index")(lambda: adapters.GraphNodeSequencer(
+        4, 8).neighbourhood_mask(_graph([[0, 3], [1, 1]]))), id="Graph-edge-between-graphs"),
+    pytest.param(RAISES, _raises(ValueError, "edge_index")(lambda: adapters.neighbourhood_mask(
+        torch.tensor([[0], [1]], device="meta"), torch.zeros(2, dtype=torch.long))),
+        id="neighbourhood_mask-edge-index-on-other-device"),
+    pytest.param(MATCHES, _zero_node_laplacian, id="Graph-zero-node-laplacian"),
+    # 5. checks that pass and then the kernel fails; paths that disagree
+    pytest.param(MATCHES, _sdpa_1d_mask, id="sdpa-1d-and-0d-bool-mask"),
+    pytest.param(RAISES, _sdpa_float_mask_dtype, id="sdpa-float-mask-of-other-dtype"),
+    pytest.param(RAISES, _raises(ValueError, "scale")(lambda: MF.scaled_dot_product_attention(
+        *torch.randn(3, 1, 2, 4), scale=NAN)), id="sdpa-scale-nan"),
+    pytest.param(MATCHES, _paths_agree, id="sdpa-fused-equals-explicit"),
+    # 6. dtype and state
+    pytest.param(RAISES, _raises(TypeError, "dtype")(_tokens_cat_dtype), id="Tokens.cat-dtypes"),
+    pytest.param(MATCHES, _learned_keeps_dtype, id="LearnedPositionalEmbedding-keeps-fp16"),
+    pytest.param(MATCHES, _state_dict_by_name, id="MultiModalEncoder-state-dict-by-name"),
+    pytest.param(RAISES, _raises(TypeError, "tokens")(lambda: mmattn.AttentionPool(4)(
+        Tokens(torch.randn(1, 2, 4).double()))), id="AttentionPool-names-tokens"),
+    # 7. arguments never validated
+    pytest.param(RAISES, _raises(TypeError, "meta")(lambda: Tokens(torch.randn(1, 2, 4),
+                                                                   meta=[1])), id="Tokens-meta"),
+    pytest.param(RAISES, _raises(TypeError, "parts")(lambda: Tokens.cat(Tokens(
+        torch.randn(1, 2, 4)))), id="Tokens.cat-single-Tokens"),
+    pytest.param(MATCHES, lambda: _close(masks.to_additive(torch.tensor([True, False]),
+                                                         "float16"),
+                                         torch.tensor([0.0, -INF], dtype=torch.float16)),
+                 id="to_additive-dtype-by-name"),
+    pytest.param(RAISES, _raises(TypeError, "dtype")(lambda: masks.to_additive(
+        torch.tensor([True]), "nope")), id="to_additive-bad-dtype-name"),
+    pytest.param(RAISES, _raises(TypeError, "name")(lambda: adapters.create(["text"])),
+                 id="create-list"),
+    pytest.param(RAISES, _dropout_names, id="dropout-str-None-nan"),
+    pytest.param(RAISES, _factory_dtypes, id="integer-parameter-dtype"),
+    pytest.param(RAISES, _raises(ValueError, "offset")(
+        lambda: position.LearnedPositionalEmbedding(8, 4)(torch.randn(1, 2, 4), offset=-1)),
+        id="learned-negative-offset"),
+    pytest.param(RAISES, _raises(ValueError, "offset")(
+        lambda: position.SinusoidalPositionalEncoding(4)(torch.randn(1, 2, 4), offset=-3)),
+        id="sinusoidal-negative-offset"),
+    pytest.param(RAISES, _raises(TypeError, "offset")(lambda: position.sinusoidal_1d(
+        2, 4, offset=0.5)), id="sinusoidal-offset-0.5"),
+    pytest.param(RAISES, _raises(ValueError, "base")(lambda: position.sinusoidal_1d(
+        2, 4, base=0)), id="sinusoidal-base-0"),
+    pytest.param(RAISES, _raises(ValueError, "mode")(lambda: position.resample_2d(
+        torch.randn(4, 2), (2, 2), (3, 3), mode="cubic")), id="resample_2d-mode"),
+    pytest.param(RAISES, _raises(ValueError, "rows")(lambda: position.sinusoidal_2d(-1, 2, 8)),
+                 id="sinusoidal_2d-names-rows"),
+    pytest.param(RAISES, _raises(ValueError, "max_frames")(lambda: adapters.AudioFrameEmbedder(
+        8, frontend="raw", positional="learned", max_frames=3)(torch.randn(1, 1600))),
+        id="audio-learned-names-max_frames"),
+    pytest.param(RAISES, _raises(TypeError, "batch_first")(lambda: mmattn.MultiHeadAttention(
+        8, 2, batch_first="no")), id="batch_first-no"),
+    pytest.param(RAISES, _raises(ValueError, "norm_eps")(lambda: mmattn.TransformerBlock(
+        8, 2, norm_eps=-1)), id="norm_eps-negative"),
+    # issue 9, item 8
+    pytest.param(RAISES, _raises(ValueError, "spans", "context")(lambda: mmattn.MultiModalEncoder(
+        {"spans": _TokensOf(nn.Linear(3, 8))}, 8, 1, 2)), id="MultiModalEncoder-reserved-name"),
+    pytest.param(MATCHES, lambda: _close(_NoParams(4)(torch.ones(1, 2, 4)).x,
+                                         torch.ones(1, 2, 4)), id="adapter-without-parameters"),
+]
+
+
+@pytest.mark.parametrize("outcome, run", MATRIX + EXTRA)
+def test_bad_input(outcome: str, run: Callable[[], Any]) -> None:
+    result = run()
+    assert result is None or result is True
+
+
+def test_the_matrix_is_large_and_every_outcome_occurs() -> None:
+    counts = Counter(case.values[0] for case in MATRIX + EXTRA)
+    assert sum(counts.values()) >= 500 and set(counts) == {RAISES, MATCHES, CONFINED}
+
+
+if __name__ == "__main__":  # how many cases each outcome class holds
+    counts = Counter(case.values[0] for case in MATRIX + EXTRA)
+    print(f"{len(SUBJECTS)} subjects, {sum(counts.values())} cases:", dict(counts))
