@@ -40,7 +40,7 @@ from mmattn._kernel import attend
 MIN_BLOCK = 32
 
 
-def default_block_size(window_size: int, causal: bool) -> int:
+def default_block_size(window_size: int) -> int:
     """Query block size for a window: half the window, at least :data:`MIN_BLOCK`.
 
     A block of ``s`` queries attends ``s + 2w`` keys (``s + w`` causal), i.e. ``s + 2w``
@@ -118,7 +118,7 @@ def local_attend(
         )
     window = min(window_size, length - 1)  # a wider band sees the same keys
     glob = min(num_global_tokens, length)
-    block = min(block_size or default_block_size(window, causal), length)
+    block = min(block_size or default_block_size(window), length)
     blocks = math.ceil(length / block)
     left, right = window, (0 if causal else window)
     slab = block + left + right

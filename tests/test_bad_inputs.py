@@ -18,7 +18,7 @@ Every case asserts one of three outcomes:
 - ``confined``: NaN at the real positions of sample 0 leaves every other sample unchanged.
 
 Items of the hardening issue that no generic rule reaches are the explicit cases at the end
-(:data:`EXTRA`), with the same three outcomes. ``python tests/test_bad_inputs.py`` prints
+(:data:`EXTRA`), with the same three outcomes. ``python -m tests.test_bad_inputs`` prints
 how many cases each outcome class holds.
 """
 
