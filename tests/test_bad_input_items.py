@@ -325,3 +325,33 @@ ITEMS = [
 def test_item(outcome: str, run: Callable[[], Any]) -> None:
     result = run()
     assert result is None or result is True
+
+
+ATTENTION = [
+    lambda: mmattn.MultiHeadAttention(8, 2),
+    lambda: mmattn.AdditiveAttention(8, 2),
+    lambda: mmattn.LinformerAttention(8, 2, seq_len=6, proj_len=3),
+    lambda: mmattn.LocalAttention(8, 2, window_size=1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("build", ATTENTION)
+def test_padding_and_empty_sizes_on_every_device(device, build, dtype):
+    """NaN / Inf at padded keys and empty sizes, on the device's own kernels."""
+    if dtype == torch.float16 and device == "cpu":
+        pytest.skip("half precision attention is checked on CUDA")
+    attn = build().to(device=device, dtype=dtype).eval()
+    x = torch.randn(2, 6, 8, device=device, dtype=dtype)
+    pad = pad_mask(2, 6).to(device)
+    for fused in (True, False):
+        with MF.fused_attn(fused), torch.no_grad():
+            clean, _ = attn(x, key_padding_mask=pad)
+            for fill in (NAN, INF):
+                dirty = torch.where(pad[..., None], fill, x)
+                out, _ = attn(x, dirty, dirty, key_padding_mask=pad)
+                torch.testing.assert_close(out, clean)
+            for batch, length in ((0, 6), (2, 0)):
+                empty = torch.randn(batch, length, 8, device=device, dtype=dtype)
+                out, _ = attn(empty, need_weights=not fused)
+                assert out.shape == (batch, length, 8)
