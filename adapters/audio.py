@@ -26,6 +26,7 @@ from mmattn._checks import (
     check_choice,
     check_factory_dtype,
     check_floating,
+    check_has_data,
     check_integer_dtype,
     check_positive_int,
     check_rank,
@@ -252,7 +253,7 @@ class AudioFrameEmbedder(ModalityAdapter):
             input_rate: rate of ``waveform``; None means ``sample_rate``.
         """
         self._check(waveform, lengths, input_rate)
-        check_same_device("waveform", waveform, "the module's parameters", self.proj.weight)
+        check_has_data("waveform", waveform)
         dtype, device = self._param_dtype_device()
         wave = waveform.to(device=device, dtype=torch.float32)
         if wave.dim() == 3:

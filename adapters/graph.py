@@ -23,6 +23,7 @@ from adapters._imports import require
 from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_factory_dtype,
+    check_has_data,
     check_integer_dtype,
     check_positive_int,
     check_range,
@@ -301,7 +302,7 @@ class GraphNodeSequencer(ModalityAdapter):
                 f"data.x must have in_channels={self.in_channels} columns, got shape "
                 f"{tuple(x.shape)}"
             )
-        check_same_device("data.x", x, "the module's parameters", self.proj.weight)
+        check_has_data("data.x", x)
         edge_index = getattr(data, "edge_index", None)
         if edge_index is None:
             edge_index = torch.empty(2, 0, dtype=torch.long, device=x.device)
@@ -348,7 +349,9 @@ class GraphNodeSequencer(ModalityAdapter):
         pyg = _pyg("GraphNodeSequencer")
         x, edge_index, batch, num_graphs = self._unpack(data)
         dtype, device = self._param_dtype_device()
-        h = self.proj(x.to(device=device, dtype=dtype))
+        # moved to the module's device, as every adapter's input
+        x, edge_index, batch = (t.to(device) for t in (x, edge_index, batch))
+        h = self.proj(x.to(dtype))
         if self.structural:
             h = h + self._structural(x, edge_index, batch, num_graphs)
         dense, mask = pyg.utils.to_dense_batch(h, batch, batch_size=num_graphs)

@@ -26,10 +26,10 @@ from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_choice,
     check_factory_dtype,
+    check_has_data,
     check_pair,
     check_positive_int,
     check_rank,
-    check_same_device,
 )
 from mmattn.functional import use_fused_attn
 from mmattn.position import LearnedPositionalEmbedding2d, sinusoidal_2d
@@ -96,7 +96,7 @@ class ImagePatcher(ModalityAdapter):
     Raises:
         TypeError: ``images`` is not a tensor, or neither floating nor uint8.
         ValueError: ``images`` is not 4-D, has the wrong channel count, H = 0 or W = 0, or
-            lives on another device than the parameters.
+            is a meta tensor (no data to move to the module's device).
 
     Examples:
         >>> patcher = ImagePatcher(64, patch_size=16, img_size=224)
@@ -170,7 +170,7 @@ class ImagePatcher(ModalityAdapter):
                 "images must be at least 1 x 1 pixels (a patch needs a pixel), got shape "
                 f"{tuple(images.shape)}"
             )
-        check_same_device("images", images, "the module's parameters", self.proj.weight)
+        check_has_data("images", images)
         dtype, device = self._param_dtype_device()
         if images.dtype == torch.uint8:
             images = images.to(device=device, dtype=dtype) / 255

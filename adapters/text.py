@@ -18,11 +18,11 @@ from mmattn._checks import (
     check_bool,
     check_choice,
     check_factory_dtype,
+    check_has_data,
     check_integer_dtype,
     check_positive_int,
     check_range,
     check_rank,
-    check_same_device,
 )
 from mmattn.position import POSITIONAL_1D, position_1d
 from mmattn.tokens import Tokens
@@ -203,8 +203,9 @@ class TextTokenEmbedder(ModalityAdapter):
         check_rank("ids", ids, (2,), "(batch, length)")
         if ids.shape[1] > self.max_len:
             raise ValueError(f"ids has length {ids.shape[1]}, longer than max_len={self.max_len}")
-        check_same_device("ids", ids, "the module's parameters", self.embedding.weight)
+        check_has_data("ids", ids)
         check_range("ids", ids, 0, self.vocab_size, "vocab_size")
+        ids = ids.to(self.embedding.weight.device)  # moved like every adapter's input
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.long()  # nn.Embedding takes only int32 / int64 indices
         x = self.position(self.embedding(ids))

@@ -240,6 +240,18 @@ def check_meta(name: str, value: object) -> dict:
     return dict(value)
 
 
+def check_has_data(name: str, value: Tensor) -> None:
+    """Raise ValueError for a tensor on the meta device: it holds no values to move or read.
+
+    For inputs that a module moves to its own device (the adapters do) instead of refusing.
+    """
+    if value.is_meta:
+        raise ValueError(
+            f"{name} is on the meta device and holds no data; give a tensor with values "
+            f"(shape {tuple(value.shape)})"
+        )
+
+
 def autocast_on(device: torch.device) -> bool:
     """Whether autocast is enabled for ``device``'s type (then dtypes may legally differ)."""
     # only CPU and CUDA autocast are probed (asking about the meta device raises)
