@@ -30,7 +30,7 @@ from mmattn._checks import (
     check_rank,
     check_same_device,
 )
-from mmattn.tokens import Tokens
+from mmattn.tokens import Tokens, check_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch_geometric.data import Data
@@ -377,8 +377,7 @@ class GraphNodeSequencer(ModalityAdapter):
             TypeError: ``tokens`` is not ``Tokens``.
             ValueError: the mask's real count differs from ``meta["num_nodes"]``.
         """
-        if not isinstance(tokens, Tokens):
-            raise TypeError(f"tokens must be Tokens, got {type(tokens).__name__}")
+        check_tokens("tokens", tokens)
         nodes = tokens.x[tokens.full_mask()]
         expected = tokens.meta.get("num_nodes")
         if expected is not None and nodes.shape[0] != expected:
