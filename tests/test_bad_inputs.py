@@ -240,7 +240,7 @@ def _tokens_subjects() -> list[Subject]:
             empty_ok=("b", "l", "d"),
         ),
         Subject(
-            name="Tokens.cat", build=lambda: lambda first, second: Tokens.cat([first, second]),
+            name="Tokens[cat]", build=lambda: lambda first, second: Tokens.cat([first, second]),
             inputs=lambda s: {"first": padded_tokens(s["b"], s["l"], s["d"]),
                               "second": padded_tokens(s["b"], s["j"], s["d"])},
             args={"first": Arg("b l d", kind="tokens", device=False, bad_dtypes=(),
@@ -258,26 +258,26 @@ def _position_subjects() -> list[Subject]:
     x_arg = Arg("b l d", width="d", device=False)
     return [
         Subject(
-            name="SinusoidalPositionalEncoding",
+            name="position.SinusoidalPositionalEncoding",
             build=module(position.SinusoidalPositionalEncoding, d),
             inputs=lambda s: {"x": torch.randn(s["b"], s["l"], s["d"])},
             args={"x": x_arg}, out="b l d", empty_ok=("b", "l"),
         ),
         Subject(
-            name="LearnedPositionalEmbedding",
+            name="position.LearnedPositionalEmbedding",
             build=module(position.LearnedPositionalEmbedding, 16, d),
             inputs=lambda s: {"x": torch.randn(s["b"], s["l"], s["d"])},
             args={"x": Arg("b l d", width="d")}, out="b l d", empty_ok=("b", "l"),
         ),
         Subject(
-            name="LearnedPositionalEmbedding2d",
+            name="position.LearnedPositionalEmbedding2d",
             build=module(position.LearnedPositionalEmbedding2d, (2, 3), d),
             inputs=lambda s: {"x": torch.randn(s["b"], s["l"], s["d"])},
             args={"x": Arg("b l d", width="d")}, out="b l d", empty_ok=("b",),
             empty_error={"l": "x"},
         ),
         Subject(
-            name="resample_2d",
+            name="position.resample_2d",
             build=lambda: partial(position.resample_2d, old_grid=(2, 3), new_grid=(3, 3)),
             inputs=lambda s: {"table": torch.randn(s["l"], s["d"])},
             args={"table": Arg("l d", device=False)},
@@ -342,7 +342,7 @@ def _adapter_subjects() -> list[Subject]:
     text = module(adapters.TextTokenEmbedder, 20, d, max_len=8)
     subjects = [
         Subject(
-            name="TextTokenEmbedder", build=text,
+            name="adapters.TextTokenEmbedder", build=text,
             inputs=lambda s: {"ids": torch.randint(1, 20, (s["b"], s["l"]))},
             args={"ids": Arg("b l", kind="index")}, out="b l d", pick=lambda t: t.x,
             empty_ok=("b", "l"),
@@ -350,7 +350,7 @@ def _adapter_subjects() -> list[Subject]:
                  ("ids", lambda kw: torch.full((2, 3), -1))),
         ),
         Subject(
-            name="ByteTokenizer.decode", build=lambda: adapters.ByteTokenizer().decode,
+            name="adapters.ByteTokenizer[decode]", build=lambda: adapters.ByteTokenizer().decode,
             inputs=lambda s: {"ids": torch.randint(3, 120, (s["b"], s["l"]))},
             args={"ids": Arg("b l", kind="index", ranks=(1,), device=False)},
             out="b", pick=lambda texts: torch.tensor([len(t) for t in texts]),
@@ -366,7 +366,7 @@ def _adapter_subjects() -> list[Subject]:
             return patch
 
         subjects.append(Subject(
-            name=f"ImagePatcher[{'fused' if fused else 'unfold'}]", build=patcher,
+            name=f"adapters.ImagePatcher[{'fused' if fused else 'unfold'}]", build=patcher,
             inputs=lambda s: {"images": torch.randn(s["b"], s["c"], s["y"], s["x"])},
             args={"images": Arg("b c y x", width="c")},
             out=lambda s: (s["b"], 4, SIZES["d"]), pick=lambda t: t.x,
@@ -374,7 +374,7 @@ def _adapter_subjects() -> list[Subject]:
         ))
     for frontend in ("mel", "raw"):
         subjects.append(Subject(
-            name=f"AudioFrameEmbedder[{frontend}]",
+            name=f"adapters.AudioFrameEmbedder[{frontend}]",
             build=module(adapters.AudioFrameEmbedder, d, n_mels=4, n_fft=32, hop_length=8,
                           frontend=frontend),
             inputs=_audio_inputs,
@@ -400,7 +400,7 @@ def _adapter_subjects() -> list[Subject]:
         ("laplacian_eigenvectors", partial(adapters.laplacian_eigenvectors, k=2)),
     ):
         subjects.append(Subject(
-            name=name, build=lambda fn=fn: fn, inputs=graph_inputs,
+            name=f"adapters.{name}", build=lambda fn=fn: fn, inputs=graph_inputs,
             args={"edge_index": Arg("two edges", kind="index"),
                   "batch": Arg("n", kind="index")},
             out=(lambda s: (2, 3, 3)) if name == "neighbourhood_mask" else (lambda s: (2, 3, 2)),
@@ -461,6 +461,53 @@ MATRIX = [case for subject in SUBJECTS for case in cases(subject)]
 @pytest.mark.parametrize("outcome, run", MATRIX)
 def test_bad_input(outcome: str, run: Callable[[], Any]) -> None:
     run()
+
+
+#: Public names outside the matrix, and why. Anything public that is neither a subject nor
+#: listed here fails :func:`test_every_public_name_is_in_the_matrix`.
+NOT_IN_MATRIX = {
+    "debug.": "every name: takes a module and a call, not tensors (tests/mmattn/test_debug.py)",
+    "functional.use_fused_attn": "the path switch, no input",
+    "functional.set_fused_attn": "the path switch, no input",
+    "functional.fused_attn": "the path switch, no input",
+    "masks.causal_mask": "int arguments (tests/mmattn/test_masks.py)",
+    "masks.band_mask": "int arguments (tests/mmattn/test_masks.py)",
+    "masks.merge_masks": "the modules' mask merger, reached through every attention subject",
+    "position.sinusoidal_1d": "int arguments (named cases in test_bad_input_items.py)",
+    "position.sinusoidal_2d": "int arguments (named cases in test_bad_input_items.py)",
+    "position.position_1d": "a factory of the position subjects (named cases)",
+    "position.RotaryEmbedding": "moves to mmattn/rotary.py with its own bad-input items",
+    "position.apply_rotary": "moves to mmattn/rotary.py with its own bad-input items",
+    "position.rotary_cos_sin": "moves to mmattn/rotary.py with its own bad-input items",
+    "replace_attention": "takes a model, not tensors (tests/mmattn/test_interop.py)",
+    "adapters.GraphNodeSequencer": "takes a torch_geometric Data (named cases)",
+    "adapters.ModalityAdapter": "the base class (named case: an adapter without parameters)",
+    "adapters.available": "no input",
+    "adapters.create": "a name (named case)",
+    "adapters.image_transform": "torchvision's pipeline",
+    "adapters.num_frames": "int arguments",
+}
+
+
+def _public_names() -> set[str]:
+    names = set()
+    for prefix, package in (("", mmattn), ("functional.", MF), ("masks.", masks),
+                            ("position.", position), ("debug.", mmattn.debug),
+                            ("adapters.", adapters)):
+        for name in package.__all__:
+            value = getattr(package, name)
+            if callable(value) and not isinstance(value, type(mmattn)):
+                names.add(prefix + name)
+    return names
+
+
+def test_every_public_name_is_in_the_matrix() -> None:
+    covered = {subject.name.split("[")[0] for subject in SUBJECTS}
+    exempt = {n for n in _public_names() for key in NOT_IN_MATRIX if n == key
+              or (key.endswith(".") and n.startswith(key))}
+    missing = _public_names() - covered - exempt
+    assert not missing, f"public names neither in the matrix nor in NOT_IN_MATRIX: {missing}"
+    assert not covered & set(NOT_IN_MATRIX)
 
 
 def test_the_matrix_is_large_and_every_outcome_occurs() -> None:
