@@ -209,6 +209,14 @@ def _explicit_empty_lengths() -> None:
         _close(out, mha.out_proj.bias.expand(2, q_len, 8))
 
 
+def _record_attention_empty() -> None:
+    encoder = mmattn.Encoder(8, 1, 2)
+    with mmattn.debug.record_attention(encoder) as maps:
+        out = encoder(Tokens(torch.randn(2, 0, 8)))
+    assert out.x.shape == (2, 0, 8)
+    assert [m.shape for m in maps["blocks.0.attn"]] == [(2, 0, 0)]
+
+
 def _dropout_names() -> None:
     q = torch.randn(1, 1, 2, 4)
     for bad, error in (("0.1", TypeError), (None, TypeError), (1.5, ValueError),
@@ -242,6 +250,7 @@ ITEMS = [
     # 2. empty sizes
     pytest.param(MATCHES, _explicit_empty_lengths, id="MultiHeadAttention-explicit-L0-S0"),
     pytest.param(MATCHES, _empty_pools, id="pools-length-0"),
+    pytest.param(MATCHES, _record_attention_empty, id="record_attention-length-0"),
     pytest.param(MATCHES, lambda: adapters.ByteTokenizer().decode(
         torch.zeros(0, 0, dtype=torch.long)) == [], id="ByteTokenizer-decode-0x0"),
     pytest.param(MATCHES, lambda: position.sinusoidal_1d(0, 8).shape == (0, 8),
