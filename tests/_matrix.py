@@ -304,7 +304,7 @@ def cases(subject: Subject):  # noqa: C901 - one branch per kind of perturbation
 
             yield _case(CONFINED, subject, f"{name}-nan-in-sample-0", nan_real)
         # layouts: same numbers as the contiguous input
-        if rank >= 2 and arg.kind != "mask":
+        if rank >= 2:
             def contiguous(kw: dict, name: str = name) -> dict:
                 value = _on(kw[name], lambda t: t.contiguous(), lambda m: m.contiguous())
                 return {**kw, name: value}

@@ -136,6 +136,10 @@ def _attention_subjects() -> list[Subject]:
     return subjects
 
 
+#: one argument of another dtype than the rest: an integer one, or a float64 among float32
+MIXED = (torch.long, torch.float64)
+
+
 def _sdpa_subjects() -> list[Subject]:
     subjects = []
     for path in ("fused", "explicit"):
@@ -151,9 +155,9 @@ def _sdpa_subjects() -> list[Subject]:
                 "attn_mask": ~pad_mask(s["b"], s["j"])[:, None, None, :],
             },
             args={
-                "query": Arg("b h i e", width="e"),
-                "key": Arg("b h j e", width="e", pad=_key_pad_heads("attn_mask")),
-                "value": Arg("b h j e", pad=_key_pad_heads("attn_mask")),
+                "query": Arg("b h i e", width="e", bad_dtypes=MIXED),
+                "key": Arg("b h j e", width="e", pad=_key_pad_heads("attn_mask"), bad_dtypes=MIXED),
+                "value": Arg("b h j e", pad=_key_pad_heads("attn_mask"), bad_dtypes=MIXED),
                 "attn_mask": Arg("b h i j", kind="mask", width="j", ranks=(1, 2, 3),
                                  broadcasts=True),
             },
@@ -167,9 +171,11 @@ def _sdpa_subjects() -> list[Subject]:
             build=lambda: partial(MF.local_attention, window_size=1),
             inputs=lambda s: {**_qkv_heads(s, "l"), "key_mask": ~pad_mask(s["b"], s["l"])},
             args={
-                "query": Arg("b h l e", width="e", pad=_key_pad_heads("key_mask")),
-                "key": Arg("b h l e", width="e", pad=_key_pad_heads("key_mask")),
-                "value": Arg("b h l e", pad=_key_pad_heads("key_mask")),
+                "query": Arg("b h l e", width="e", pad=_key_pad_heads("key_mask"),
+                             bad_dtypes=MIXED),
+                "key": Arg("b h l e", width="e", pad=_key_pad_heads("key_mask"),
+                             bad_dtypes=MIXED),
+                "value": Arg("b h l e", pad=_key_pad_heads("key_mask"), bad_dtypes=MIXED),
                 "key_mask": Arg("b l", kind="mask", width="l",
                                 bad_dtypes=(torch.int32, torch.float32)),
             },
