@@ -339,3 +339,13 @@ def cases(subject: Subject):  # noqa: C901 - one branch per kind of perturbation
         yield _case(RAISES, subject, f"empty-{axis}", lambda axis=axis, called=called:
                     _expect_error(subject, subject.make(subject.all_sizes(**{axis: 0})), called))
 
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The matrix's tensors are tiny: one intra-op thread avoids thread start-up and contention
+    costs that dominate such calls (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -20,7 +20,15 @@ import mmattn
 from mmattn import functional as MF
 from mmattn import masks, position
 from mmattn.tokens import Tokens
-from tests._matrix import CONFINED, INF, MATCHES, NAN, RAISES, pad_mask
+from tests._matrix import (  # noqa: F401 - one_thread is a fixture
+    CONFINED,
+    INF,
+    MATCHES,
+    NAN,
+    RAISES,
+    one_thread,
+    pad_mask,
+)
 
 
 def _raises(error: type, *names: str) -> Callable[[Callable[[], Any]], Callable[[], None]]:
@@ -330,6 +338,7 @@ ITEMS = [
 
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("outcome, run", ITEMS)
 def test_item(outcome: str, run: Callable[[], Any]) -> None:
     result = run()

@@ -39,7 +39,7 @@ import mmattn
 from mmattn import functional as MF
 from mmattn import masks, position
 from mmattn.tokens import Tokens
-from tests._matrix import (
+from tests._matrix import (  # noqa: F401 - one_thread is a fixture
     CONFINED,
     MATCHES,
     NAN,
@@ -49,6 +49,7 @@ from tests._matrix import (
     Subject,
     cases,
     module,
+    one_thread,
     pad_mask,
     padded_tokens,
     real_rows,
@@ -464,6 +465,7 @@ MATRIX = [case for subject in SUBJECTS for case in cases(subject)]
 
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("outcome, run", MATRIX)
 def test_bad_input(outcome: str, run: Callable[[], Any]) -> None:
     run()
