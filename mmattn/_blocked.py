@@ -101,7 +101,9 @@ def local_attend(
         need_weights: also return the dense (b, h, l, l) weights (O(l²) memory).
 
     Shape:
-        - q, k, v: (b, h, l, e)
+        - q: (b, h, l, e); k, v: (b, k, l, e) with ``k`` dividing ``h`` (grouped-query
+          attention: the kernel shares each key head with its query heads, never repeating
+          K/V)
         - returns: (b, h, l, e) and (b, h, l, l) weights or None
     """
     batch, heads, length, _ = q.shape
@@ -215,7 +217,8 @@ def _attend_blocks(
         return attend(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale,
                       need_weights=need_weights, report_path=False)
     out = F.scaled_dot_product_attention(
-        qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, scale=scale
+        qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+        enable_gqa=qb.shape[1] != kb.shape[1],
     )
     return out, None
 

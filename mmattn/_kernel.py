@@ -255,6 +255,30 @@ def softmax_attend(
     return out, weights
 
 
+def grouped_softmax_attend(
+    scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`softmax_attend` when ``v`` has fewer heads than ``scores`` (grouped queries).
+
+    The g query heads of a key head are folded into the query axis, as in the explicit path,
+    so values are never repeated per query head.
+
+    Shape:
+        - scores: (b, h, i, j); v: (b, k, j, e_v) with ``k`` dividing ``h``
+        - returns: (b, h, i, e_v) and the weights (b, h, i, j)
+    """
+    groups = scores.shape[-3] // v.shape[-3]
+    if groups == 1:
+        return softmax_attend(scores, v, mask, dropout_p)
+    rows = scores.shape[-2]
+    folded = rearrange(scores, "b (k g) i j -> b k (g i) j", g=groups)
+    mask = None if mask is None else group_mask(mask, groups, rows)
+    out, weights = softmax_attend(folded, v, mask, dropout_p)
+    out = rearrange(out, "b k (g i) e -> b (k g) i e", g=groups, i=rows)
+    weights = rearrange(weights, "b k (g i) j -> b (k g) i j", g=groups, i=rows)
+    return out, weights
+
+
 # ---------------------------------------------------------------------- the kernel
 
 

@@ -14,8 +14,10 @@ twin (``need_weights=True`` or ``MMATTN_FUSED_ATTN=0``) builds it in one piece.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -36,11 +38,16 @@ def additive_scores(q: Tensor, k: Tensor, weight: Tensor) -> Tensor:
         weight: the score vector ``w`` of each head.
 
     Shape:
-        - q: (b, h, i, e); k: (b, h, j, e); weight: (h, e)
+        - q: (b, h, i, e); k: (b, k, j, e) with ``k`` dividing ``h`` (grouped-query
+          attention: query head ``n`` pairs with key head ``n // (h / k)``); weight: (h, e)
         - returns: (b, h, i, j)
     """
-    hidden = torch.tanh(q[:, :, :, None, :] + k[:, :, None, :, :])  # (b, h, i, j, e)
-    return torch.einsum("bhije,he->bhij", hidden, weight)
+    groups = q.shape[1] // k.shape[1]
+    qg = rearrange(q, "b (k g) i e -> b k g i e", g=groups)
+    hidden = torch.tanh(qg[:, :, :, :, None, :] + k[:, :, None, None, :, :])  # (b k g i j e)
+    weight = rearrange(weight, "(k g) e -> k g e", g=groups)
+    scores = torch.einsum("bkgije,kge->bkgij", hidden, weight)
+    return rearrange(scores, "b k g i j -> b (k g) i j")
 
 
 def _chunked_scores(q: Tensor, k: Tensor, weight: Tensor) -> Tensor:
@@ -85,6 +92,9 @@ class AdditiveAttention(MultiHeadAttention):
         dropout: attention-weight dropout. bias: biases on the four projections.
         add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype: as in
             :class:`MultiHeadAttention`.
+        num_kv_heads, position: as in :class:`MultiHeadAttention` (a key head's tanh
+            network is shared by its group of query heads; a rotary ``position`` rotates q
+            and k before the tanh, which gives absolute, not relative, positions here).
 
     Shape:
         - query: (B, L, D); key: (B, S, kdim); value: (B, S, vdim) (or unbatched / seq-first)
@@ -115,10 +125,13 @@ class AdditiveAttention(MultiHeadAttention):
         batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        num_kv_heads: int | None = None,
+        position: nn.Module | Callable[..., Tensor] | str | None = None,
     ) -> None:
         super().__init__(
             embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
-            batch_first, device, dtype,
+            batch_first, device, dtype, num_kv_heads=num_kv_heads, position=position,
         )
         self.score_weight = nn.Parameter(
             torch.empty(num_heads, self.head_dim, device=device, dtype=dtype)
@@ -163,5 +176,5 @@ class AdditiveAttention(MultiHeadAttention):
             k, v = _kernel.clear_dead_keys(mask, k, v)
         weight = self.score_weight.to(q.dtype)
         scores = additive_scores(q, k, weight) if explicit else _chunked_scores(q, k, weight)
-        out, weights = _kernel.softmax_attend(scores, v, mask, dropout_p)
+        out, weights = _kernel.grouped_softmax_attend(scores, v, mask, dropout_p)
         return out, (weights if need_weights else None)

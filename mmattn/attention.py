@@ -13,6 +13,7 @@ hook a variant overrides. The default hook is the shared kernel :func:`mmattn._k
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +24,9 @@ from mmattn import _checks as checks
 from mmattn import interop
 from mmattn._helpers import default
 from mmattn._kernel import attend
+from mmattn.cache import ContextCache, KVCache, LocalKVCache
 from mmattn.masks import causal_mask, merge_masks
+from mmattn.rotary import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
 
@@ -142,6 +145,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
         batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        num_kv_heads: int | None = None,
+        position: nn.Module | Callable[..., Tensor] | str | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not nn.MultiheadAttention's: it would build packed weights
         checks.check_positive_int("embed_dim", embed_dim)
@@ -151,11 +157,19 @@ class MultiHeadAttention(nn.MultiheadAttention):
                 f"num_heads must divide embed_dim, got embed_dim={embed_dim}, "
                 f"num_heads={num_heads}"
             )
+        num_kv_heads = checks.check_positive_int("num_kv_heads", default(num_kv_heads, num_heads))
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads must divide num_heads, got num_heads={num_heads}, "
+                f"num_kv_heads={num_kv_heads}"
+            )
         kdim = checks.check_positive_int("kdim", default(kdim, embed_dim))
         vdim = checks.check_positive_int("vdim", default(vdim, embed_dim))
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
+        self.num_kv_heads = num_kv_heads
+        kv_dim = num_kv_heads * self.head_dim
         self.dropout = checks.check_probability("dropout", dropout)
         self.kdim = kdim
         self.vdim = vdim
@@ -163,14 +177,16 @@ class MultiHeadAttention(nn.MultiheadAttention):
         self.add_zero_attn = bool(add_zero_attn)
         factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(kdim, embed_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(vdim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
-            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_k = nn.Parameter(torch.empty(1, 1, kv_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, kv_dim, **factory))
         else:
             self.bias_k = self.bias_v = None
+        self.position = resolve_position(position, self.head_dim)
+        self._check_position_supported()
         # The base initialiser on purpose: a subclass's reset_parameters may touch
         # parameters that do not exist yet; subclasses initialise their own at the end.
         MultiHeadAttention.reset_parameters(self)
@@ -207,7 +223,53 @@ class MultiHeadAttention(nn.MultiheadAttention):
         if self.add_zero_attn:
             parts.append("add_zero_attn=True")
         parts.append(f"batch_first={self.batch_first}")
+        if self.num_kv_heads != self.num_heads:
+            parts.append(f"num_kv_heads={self.num_kv_heads}")
         return ", ".join(parts)
+
+    def _check_position_supported(self) -> None:
+        """Hook: a variant where ``position=`` makes no sense raises ValueError here."""
+
+    # ------------------------------------------------------------------ decoding
+
+    def make_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """A cache for decoding step by step: ``forward(x_step, is_causal=True, cache=cache)``.
+
+        Each call appends its keys and values (after ``position``, at ``offset =
+        len(cache)``) and attends everything cached so far, causally.
+
+        Args:
+            batch_size: the batch every decoding call has.
+            max_len: the most tokens the cache takes.
+            device, dtype: of the buffers (default: those of ``k_proj``'s weight).
+
+        Returns:
+            A :class:`~mmattn.cache.KVCache` with (B, num_kv_heads, max_len, head_dim) buffers.
+
+        Raises:
+            ValueError: ``add_bias_kv`` / ``add_zero_attn`` modules (their appended keys have
+                no position in a growing sequence); bad sizes.
+        """
+        self._check_cacheable()
+        weight = self.k_proj.weight
+        return KVCache(
+            batch_size, max_len, self.num_kv_heads, self.head_dim,
+            device=default(device, weight.device), dtype=default(dtype, weight.dtype),
+        )
+
+    def _check_cacheable(self) -> None:
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError(
+                f"{type(self).__name__} with add_bias_kv or add_zero_attn has no cache: the "
+                "appended key has no place in a sequence that grows step by step"
+            )
 
     # ------------------------------------------------------------------ forward
 
@@ -221,9 +283,17 @@ class MultiHeadAttention(nn.MultiheadAttention):
         attn_mask: Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        cache: KVCache | LocalKVCache | ContextCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend ``query`` over ``key``/``value``; see the class docstring for shapes."""
+        """Attend ``query`` over ``key``/``value``; see the class docstring for shapes.
+
+        With ``cache`` (from :meth:`make_cache`) the call is one decoding step: its keys and
+        values are appended to the cache and the queries attend everything cached.
+        """
         if isinstance(query, Tensor) and query.is_nested:
+            if cache is not None:
+                raise ValueError("cache= does not take nested (jagged) input; decode padded")
             return interop.nested_forward(
                 self, query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal,
@@ -231,6 +301,8 @@ class MultiHeadAttention(nn.MultiheadAttention):
         key = default(key, query)
         value = default(value, key)
         batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        if cache is not None:
+            self._check_cache_call(cache, batched, key_padding_mask, attn_mask, is_causal)
         if not batched:
             query, key, value = query[None], key[None], value[None]
             if key_padding_mask is not None:
@@ -238,32 +310,16 @@ class MultiHeadAttention(nn.MultiheadAttention):
         elif not self.batch_first:
             query, key, value = (rearrange(t, "l b d -> b l d") for t in (query, key, value))
 
-        q = self.q_proj(query)
-        k = self.k_proj(key)
-        v = self.v_proj(value)
-        if is_causal and (self.bias_k is not None or self.add_zero_attn):
-            # The causal rule covers the real keys; appended keys stay visible, as in torch.
-            attn_mask = _fold_causal(attn_mask, q.shape[1], k.shape[1], q.device)
-            is_causal = False
-        if self.bias_k is not None:
-            batch = q.shape[0]
-            k = torch.cat([k, self.bias_k.to(k.dtype).expand(batch, 1, -1)], dim=1)
-            v = torch.cat([v, self.bias_v.to(v.dtype).expand(batch, 1, -1)], dim=1)
-            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
-        q, k, v = (rearrange(t, "b l (h e) -> b h l e", h=self.num_heads) for t in (q, k, v))
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
-            v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
-            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
-
-        mask = merge_masks(
-            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
-            dtype=q.dtype,
-        )
+        q = rearrange(self.q_proj(query), "b l (h e) -> b h l e", h=self.num_heads)
         dropout_p = self.dropout if self.training else 0.0
-        out, weights = self._attention(
-            q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
-        )
+        if cache is None:
+            out, weights = self._uncached(
+                q, key, value, key_padding_mask, attn_mask, is_causal, dropout_p, need_weights
+            )
+        else:
+            out, weights = self._cached(
+                q, key, value, cache, key_padding_mask, dropout_p, need_weights
+            )
         out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
 
         if not batched:
@@ -276,6 +332,89 @@ class MultiHeadAttention(nn.MultiheadAttention):
             if not batched:
                 weights = weights[0]
         return out, weights
+
+    def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Key and value projections, split into the ``num_kv_heads`` heads."""
+        k = rearrange(self.k_proj(key), "b l (h e) -> b h l e", h=self.num_kv_heads)
+        v = rearrange(self.v_proj(value), "b l (h e) -> b h l e", h=self.num_kv_heads)
+        return k, v
+
+    def _uncached(
+        self,
+        q: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """One whole-sequence call: positions from 0, appended keys, merged mask, the hook."""
+        k, v = self._project_kv(key, value)
+        if self.position is not None:
+            q, k = self.position(q, 0), self.position(k, 0)
+        if is_causal and (self.bias_k is not None or self.add_zero_attn):
+            # The causal rule covers the real keys; appended keys stay visible, as in torch.
+            attn_mask = _fold_causal(attn_mask, q.shape[2], k.shape[2], q.device)
+            is_causal = False
+        if self.bias_k is not None:
+            batch = q.shape[0]
+            bias_k, bias_v = (
+                rearrange(b.to(k.dtype), "1 1 (h e) -> 1 h 1 e", h=self.num_kv_heads)
+                .expand(batch, -1, -1, -1)
+                for b in (self.bias_k, self.bias_v)
+            )
+            k, v = torch.cat([k, bias_k], dim=2), torch.cat([v, bias_v], dim=2)
+            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
+            v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
+            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
+        mask = merge_masks(
+            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
+            dtype=q.dtype,
+        )
+        return self._attention(
+            q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
+        )
+
+    def _cached(
+        self,
+        q: Tensor,
+        key: Tensor,
+        value: Tensor,
+        cache: KVCache | LocalKVCache | ContextCache,
+        key_padding_mask: Tensor | None,
+        dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """One decoding step: new keys at ``offset = len(cache)``, then attend the cache."""
+        if isinstance(cache, ContextCache):
+            k = v = mask = None
+            if not cache.filled:
+                k, v = self._project_kv(key, value)
+                mask = merge_masks(
+                    key_padding_mask, None, batch_size=q.shape[0], num_heads=self.num_heads,
+                    dtype=q.dtype,
+                )
+            k, v, mask = cache.update(k, v, mask)
+        else:
+            k, v = self._project_kv(key, value)
+            if self.position is not None:
+                offset = cache.offset
+                q, k = self.position(q, offset), self.position(k, offset)
+            k, v, mask = cache.update(k, v)
+        return self._attend_cached(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+
+    def _attend_cached(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention over what a cache returned; its mask already holds the causal rule."""
+        return self._attention(
+            q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights
+        )
 
     def _attention(
         self,
@@ -313,6 +452,44 @@ class MultiHeadAttention(nn.MultiheadAttention):
         )
 
     # ------------------------------------------------------------------ checks
+
+    def _check_cache_call(
+        self,
+        cache: object,
+        batched: bool,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+    ) -> None:
+        """Raise unless ``cache`` can serve this call (sizes and dtype are checked later)."""
+        if not isinstance(cache, (KVCache, LocalKVCache, ContextCache)):
+            raise TypeError(
+                f"cache must come from {type(self).__name__}.make_cache(...), got "
+                f"{type(cache).__name__}"
+            )
+        self._check_cacheable()
+        if not batched:
+            raise ValueError("cache= needs batched input (batch, length, embed_dim)")
+        if attn_mask is not None:
+            raise ValueError("attn_mask is not supported with cache=: the cache builds the mask")
+        if cache.causal:
+            if key_padding_mask is not None:
+                raise ValueError(
+                    "key_padding_mask is not supported with a self-attention cache: every "
+                    "decoded token is real"
+                )
+            if not (is_causal or getattr(self, "causal", False)):
+                raise ValueError(
+                    f"{type(cache).__name__} decodes causally: call with is_causal=True "
+                    "(a step cannot see tokens that are not decoded yet)"
+                )
+        elif is_causal:
+            raise ValueError(
+                "is_causal=True does not apply with a ContextCache: every query step attends "
+                "the whole context"
+            )
+        elif self.position is not None:
+            raise ValueError("position= does not apply to a ContextCache (cross-attention)")
 
     def _check_inputs(
         self,
@@ -480,3 +657,41 @@ def _fold_causal(
     if attn_mask.dtype == torch.bool:
         return attn_mask | hidden
     return attn_mask.masked_fill(hidden, float("-inf"))
+
+
+def resolve_position(
+    position: nn.Module | Callable[..., Tensor] | str | None, head_dim: int
+) -> nn.Module | Callable[..., Tensor] | None:
+    """The ``position=`` argument as a callable ``position(x, offset)`` (or None).
+
+    ``"rotary"`` builds :class:`~mmattn.rotary.RotaryEmbedding` of the head width. A module
+    with a ``dim`` attribute must rotate exactly ``head_dim`` columns.
+
+    Raises:
+        TypeError: not None, "rotary" or a callable.
+        ValueError: an unknown name; a width that is not ``head_dim``; an odd ``head_dim``
+            for a rotary encoding.
+    """
+    if position is None:
+        return None
+    if isinstance(position, str):
+        if position != "rotary":
+            raise ValueError(f"position must be 'rotary' or a module, got {position!r}")
+        if head_dim % 2:
+            raise ValueError(
+                f"position='rotary' needs an even head width (embed_dim // num_heads), got "
+                f"head_dim={head_dim}"
+            )
+        return RotaryEmbedding(head_dim)
+    if not callable(position):
+        raise TypeError(
+            f"position must be a module called as position(x, offset), 'rotary' or None, got "
+            f"{type(position).__name__}"
+        )
+    width = getattr(position, "dim", head_dim)
+    if width != head_dim:
+        raise ValueError(
+            f"position must act on the head width head_dim={head_dim} (embed_dim // "
+            f"num_heads), got {type(position).__name__} with dim={width}"
+        )
+    return position

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from mmattn._helpers import default
 from mmattn.attention import MultiHeadAttention
+from mmattn.cache import ContextCache
 
 __all__ = ["CrossAttention"]
 
@@ -24,6 +25,10 @@ class CrossAttention(MultiHeadAttention):
     The same module as :class:`MultiHeadAttention` (same arguments, masks and outputs), but
     ``key`` (the context) must be given, and ``vdim`` defaults to ``kdim`` so that a context
     of width ``kdim`` serves as both key and value.
+
+    ``num_kv_heads`` works as in :class:`MultiHeadAttention`; ``position=`` raises
+    ValueError (two sequences have no relative position). For decoding, :meth:`make_cache`
+    returns a :class:`~mmattn.cache.ContextCache` that projects the context once.
 
     Shape:
         - query: (B, L, embed_dim); key (context): (B, S, kdim); value: (B, S, vdim)
@@ -49,6 +54,9 @@ class CrossAttention(MultiHeadAttention):
         batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        num_kv_heads: int | None = None,
+        position: None = None,
     ) -> None:
         super().__init__(
             embed_dim,
@@ -62,6 +70,40 @@ class CrossAttention(MultiHeadAttention):
             batch_first=batch_first,
             device=device,
             dtype=dtype,
+            num_kv_heads=num_kv_heads,
+            position=position,
+        )
+
+    def _check_position_supported(self) -> None:
+        if self.position is not None:
+            raise ValueError(
+                "position= is not supported by CrossAttention: query and context are two "
+                "sequences, so their relative position has no meaning; encode positions in "
+                "each sequence before attending"
+            )
+
+    def make_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> ContextCache:
+        """A cache that projects the context once: ``forward(q_step, context, cache=cache)``.
+
+        The first call stores the projected keys and values of ``context`` (and its
+        ``key_padding_mask``); every later call reuses them and ignores the context passed.
+
+        Args:
+            batch_size: the batch every call has. max_len: the longest context it holds.
+            device, dtype: of the buffers (default: those of ``k_proj``'s weight).
+        """
+        self._check_cacheable()
+        weight = self.k_proj.weight
+        return ContextCache(
+            batch_size, max_len, self.num_kv_heads, self.head_dim,
+            device=default(device, weight.device), dtype=default(dtype, weight.dtype),
         )
 
     def forward(
@@ -74,11 +116,13 @@ class CrossAttention(MultiHeadAttention):
         attn_mask: Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        cache: ContextCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend ``query`` over the context ``key`` (required) and ``value``."""
         if key is None:
             raise TypeError("CrossAttention.forward requires key (the context sequence), got None")
         return super().forward(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
-            is_causal,
+            is_causal, cache=cache,
         )

@@ -39,7 +39,8 @@ class LinformerAttention(MultiHeadAttention):
     :class:`MultiHeadAttention`.
 
     Not supported, each raising ValueError: ``attn_mask`` (it addresses keys, which no longer
-    exist after the projection), ``is_causal`` (the projection mixes future keys), and float
+    exist after the projection), ``is_causal`` and :meth:`make_cache` (the projection mixes
+    future keys), ``position=`` (no projected slot keeps a position), and float
     ``key_padding_mask`` values other than 0 / -inf. ``need_weights`` returns weights over the
     ``proj_len`` slots: (B, L, proj_len).
 
@@ -54,6 +55,9 @@ class LinformerAttention(MultiHeadAttention):
         kdim, vdim: key and value widths (default ``embed_dim``).
         batch_first: inputs are (B, L, D) when True, (L, B, D) when False.
         device, dtype: factory arguments for the parameters.
+        num_kv_heads: key/value heads (grouped-query attention), as
+            :class:`MultiHeadAttention`.
+        position: must be None (see above).
 
     Shape:
         - query: (B, L, D); key: (B, S, kdim) and value: (B, S, vdim) with S <= seq_len
@@ -89,13 +93,16 @@ class LinformerAttention(MultiHeadAttention):
         batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        num_kv_heads: int | None = None,
+        position: None = None,
     ) -> None:
         self.seq_len = checks.check_positive_int("seq_len", seq_len)
         self.proj_len = checks.check_positive_int("proj_len", proj_len)
         self.share_kv = bool(share_kv)
         super().__init__(
             embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
-            batch_first=batch_first, device=device, dtype=dtype,
+            batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,
+            position=position,
         )
         factory = {"device": device, "dtype": dtype}
         self.key_seq_proj = nn.Parameter(torch.empty(proj_len, seq_len, **factory))
@@ -121,6 +128,24 @@ class LinformerAttention(MultiHeadAttention):
         if self.share_kv:
             parts.append("share_kv=True")
         return ", ".join(parts)
+
+    def _check_position_supported(self) -> None:
+        if self.position is not None:
+            raise ValueError(
+                "position= is not supported by LinformerAttention: the sequence projection "
+                "mixes keys of every position into each slot, so no key keeps a position"
+            )
+
+    def make_cache(self, batch_size: int, max_len: int, **kwargs) -> None:
+        """Not available: decoding is causal, and Linformer's projection mixes future keys.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(
+            "LinformerAttention has no cache: decoding is causal, and the sequence projection "
+            "mixes future keys into every slot"
+        )
 
     def _attention(
         self,

@@ -11,13 +11,16 @@ one batched attention call, so no (L, L) score matrix is built.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn._blocked import local_attend
 from mmattn._kernel import attend
 from mmattn.attention import MultiHeadAttention
+from mmattn.cache import LocalKVCache
 from mmattn.masks import band_mask
 
 __all__ = ["LocalAttention", "local_allowed"]
@@ -84,6 +87,13 @@ class LocalAttention(MultiHeadAttention):
         kdim, vdim: key and value widths (default ``embed_dim``).
         batch_first: inputs are (B, L, D) when True, (L, B, D) when False.
         device, dtype: factory arguments for the parameters.
+        num_kv_heads: key/value heads (grouped-query attention), as
+            :class:`MultiHeadAttention`; the blocked kernel never repeats K/V per query head.
+        position: applied to q and k after the head split (e.g. ``"rotary"``), as
+            :class:`MultiHeadAttention`.
+
+    Decoding: :meth:`make_cache` returns a ring cache of the last ``window_size`` keys, so
+    memory stays O(w) however many tokens are decoded.
 
     Shape:
         - query: (B, L, D) or (L, D); key: (B, L, kdim); value: (B, L, vdim) — one length L
@@ -127,6 +137,8 @@ class LocalAttention(MultiHeadAttention):
         batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        num_kv_heads: int | None = None,
+        position: nn.Module | Callable[..., Tensor] | str | None = None,
     ) -> None:
         self.window_size = checks.check_positive_int("window_size", window_size, minimum=0)
         self.num_global_tokens = checks.check_positive_int(
@@ -146,6 +158,8 @@ class LocalAttention(MultiHeadAttention):
             batch_first=batch_first,
             device=device,
             dtype=dtype,
+            num_kv_heads=num_kv_heads,
+            position=position,
         )
 
     def extra_repr(self) -> str:
@@ -187,6 +201,40 @@ class LocalAttention(MultiHeadAttention):
             dropout_p=dropout_p,
             need_weights=need_weights,
         )
+
+    def make_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> LocalKVCache:
+        """A ring cache of the last ``window_size`` keys for causal decoding: O(w) memory.
+
+        Use it as ``forward(x_step, is_causal=True, cache=cache)`` (or with ``causal=True``
+        set at construction); ``max_len`` bounds the total number of decoded tokens.
+
+        Raises:
+            ValueError: ``num_global_tokens`` > 0 (global keys would need the whole past).
+        """
+        if self.num_global_tokens:
+            raise ValueError(
+                "LocalAttention with num_global_tokens > 0 has no cache: its global tokens "
+                "attend every key"
+            )
+        weight = self.k_proj.weight
+        return LocalKVCache(
+            batch_size, max_len, self.window_size, self.num_kv_heads, self.head_dim,
+            device=device or weight.device, dtype=dtype or weight.dtype,
+        )
+
+    def _attend_cached(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        # The ring cache's mask already is the causal band over at most w + i keys.
+        return attend(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
 
     def _attend_dense(
         self,

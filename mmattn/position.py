@@ -12,7 +12,8 @@ Four kinds, each a pure function plus a small module:
 - learned, 1D and 2D, the 2D table resampled to other grids with :func:`resample_2d`:
   :class:`LearnedPositionalEmbedding`, :class:`LearnedPositionalEmbedding2d`;
 - rotary (Su et al., RoFormer), "rotate half" layout: :func:`rotary_cos_sin`,
-  :func:`apply_rotary`, :class:`RotaryEmbedding`.
+  :func:`apply_rotary`, :class:`RotaryEmbedding` (defined in :mod:`mmattn.rotary`,
+  re-exported here).
 
 The additive modules return ``x + position``; they never change the dtype of ``x`` and take
 only floating ``x``. Every length may be 0 (an empty table, ``x`` returned unchanged); grids
@@ -39,6 +40,7 @@ from mmattn._checks import (
     check_rank,
     check_same_device,
 )
+from mmattn.rotary import RotaryEmbedding, apply_rotary, rotary_cos_sin
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -426,124 +428,3 @@ def position_1d(
     return LearnedPositionalEmbedding(
         max_len, dim, max_len_name=max_len_name, device=device, dtype=dtype
     )
-
-
-def rotary_cos_sin(
-    length: int,
-    dim: int,
-    *,
-    base: float = 10000.0,
-    offset: int = 0,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor]:
-    r"""Cosines and sines of the rotary angles :math:`\theta_{p,i} = p \cdot base^{-2i/e}`.
-
-    Laid out for the "rotate half" convention: the angle of pair ``i`` sits at columns ``i``
-    and ``i + e/2``.
-
-    Args:
-        length: number of positions.
-        dim: rotated width ``e`` (even), usually the head width.
-        base: the wavelength base.
-        offset: first position.
-        device: where to build them.
-        dtype: dtype of the result.
-
-    Shape:
-        - Output: two tensors (length, dim)
-
-    Examples:
-        >>> cos, sin = rotary_cos_sin(5, 8)
-        >>> cos.shape, sin.shape
-        (torch.Size([5, 8]), torch.Size([5, 8]))
-    """
-    check_positive_int("length", length)
-    check_positive_int("dim", dim)
-    _check_even("dim", dim)
-    pos = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
-    inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
-    angles = torch.outer(pos, inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)  # (l, e)
-    dtype = dtype or torch.get_default_dtype()
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    r"""Rotate pairs ``(x_i, x_{i+e/2})`` by the angles given as ``cos``/``sin``.
-
-    .. math:: \mathrm{rot}(x) = x \cos\theta + \mathrm{rotate\_half}(x) \sin\theta
-
-    Rotating queries and keys this way makes :math:`\langle q_m, k_n \rangle` depend only on
-    :math:`m - n`.
-
-    Args:
-        x: queries or keys.
-        cos: from :func:`rotary_cos_sin`, broadcast over the leading axes of ``x``.
-        sin: same.
-
-    Shape:
-        - x: (..., L, e)
-        - cos, sin: (L, e)
-        - Output: same as ``x``
-
-    Raises:
-        ValueError: ``cos``/``sin`` do not have shape (L, e).
-
-    Examples:
-        >>> cos, sin = rotary_cos_sin(5, 8)
-        >>> apply_rotary(torch.randn(2, 4, 5, 8), cos, sin).shape
-        torch.Size([2, 4, 5, 8])
-    """
-    if x.dim() < 2:
-        raise ValueError(f"x must have at least 2 dims (..., L, e), got shape {tuple(x.shape)}")
-    want = tuple(x.shape[-2:])
-    for name, table in (("cos", cos), ("sin", sin)):
-        if tuple(table.shape) != want:
-            raise ValueError(f"{name} must have shape (L, e)={want}, got {tuple(table.shape)}")
-    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position encoding applied to queries or keys (no parameters).
-
-    Args:
-        dim: rotated width (the head width), even.
-        base: the wavelength base.
-
-    Shape:
-        - x: (..., L, dim), e.g. (B, H, L, dim)
-        - Output: same as ``x``
-
-    Examples:
-        >>> rope = RotaryEmbedding(8)
-        >>> rope(torch.randn(2, 4, 5, 8)).shape
-        torch.Size([2, 4, 5, 8])
-    """
-
-    def __init__(self, dim: int, *, base: float = 10000.0) -> None:
-        super().__init__()
-        check_positive_int("dim", dim)
-        _check_even("dim", dim)
-        self.dim = dim
-        self.base = base
-
-    def reset_parameters(self) -> None:
-        """Nothing to reset: the angles are fixed."""
-
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        if x.dim() < 2:
-            raise ValueError(f"x must have at least 2 dims (..., L, dim), got {tuple(x.shape)}")
-        check_last_dim("x", x, self.dim, "dim")
-        cos, sin = rotary_cos_sin(
-            x.shape[-2], self.dim, base=self.base, offset=offset, device=x.device, dtype=x.dtype
-        )
-        return apply_rotary(x, cos, sin)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}"
