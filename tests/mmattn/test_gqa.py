@@ -23,7 +23,7 @@ from mmattn._blocked import local_attend
 from mmattn._kernel import attend
 from mmattn.functional import fused_attn
 
-B, H, KV, I, J, E = 3, 6, 2, 5, 7, 8
+B, H, KV, LQ, J, E = 3, 6, 2, 5, 7, 8
 G = H // KV
 
 
@@ -45,9 +45,9 @@ def _masks(device):
     padding = torch.ones(B, 1, 1, J, dtype=torch.bool, device=device)
     padding[0, ..., 4:] = False
     padding[2] = False  # sample 2: no real key at all, every row dead
-    per_head = torch.rand(B, H, I, J, device=device) > 0.4
+    per_head = torch.rand(B, H, LQ, J, device=device) > 0.4
     per_head[1, 3, 2] = False  # one dead row in one head
-    additive = torch.randn(B, 1, I, J, device=device)
+    additive = torch.randn(B, 1, LQ, J, device=device)
     additive[0, 0, 1] = float("-inf")  # a dead row in an additive mask
     return {"none": None, "padding": padding, "per_head": per_head, "additive": additive}
 
@@ -55,7 +55,7 @@ def _masks(device):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "per_head", "additive"])
 def test_kernel_gqa_equals_repeated_kv(device, fused, mask_kind):
-    q = torch.randn(B, H, I, E, device=device)
+    q = torch.randn(B, H, LQ, E, device=device)
     k, v = torch.randn(B, KV, J, E, device=device), torch.randn(B, KV, J, E, device=device)
     mask = _masks(device)[mask_kind]
     want, want_w = _naive(q, k, v, mask)
