@@ -1,6 +1,6 @@
 """mmattn: multi-modal attention components for PyTorch."""
 
-from mmattn import debug, functional, masks, position
+from mmattn import cache, debug, functional, masks, position, registry, rotary
 from mmattn.additive import AdditiveAttention
 from mmattn.attention import MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
@@ -10,6 +10,7 @@ from mmattn.interop import replace_attention
 from mmattn.linformer import LinformerAttention
 from mmattn.local import LocalAttention
 from mmattn.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
+from mmattn.registry import available_attention, register_attention
 from mmattn.tokens import Tokens
 
 __version__ = "0.1.0"
@@ -27,11 +28,16 @@ __all__ = [
     "MultiModalEncoder",
     "Tokens",
     "TransformerBlock",
+    "available_attention",
+    "cache",
     "debug",
     "functional",
     "masked_max",
     "masked_mean",
     "masks",
     "position",
+    "register_attention",
+    "registry",
     "replace_attention",
+    "rotary",
 ]

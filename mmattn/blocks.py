@@ -7,27 +7,28 @@ Every block is pre-norm (``x + f(norm(x))``) and respects ``Tokens.mask`` end to
 keys are never attended, padded positions are zeroed on entry and on exit, so changing the
 values at padded positions never moves a real output, and padded outputs are exactly 0.
 
-- :class:`TransformerBlock` — self-attention ("full" :class:`~mmattn.MultiHeadAttention` or
-  "local" :class:`~mmattn.local.LocalAttention`) and an MLP.
+- :class:`TransformerBlock` — self-attention (any variant: a name from
+  :mod:`mmattn.registry`, a class or a callable) and an MLP.
 - :class:`CrossAttentionBlock` — query Tokens attend context Tokens, then an MLP.
 - :class:`Encoder` — a stack of :class:`TransformerBlock` and a final LayerNorm.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn.attention import MultiHeadAttention
+from mmattn.cache import ContextCache
 from mmattn.cross import CrossAttention
-from mmattn.local import LocalAttention
+from mmattn.registry import AttentionSpec, build_attention, resolve_attention
 from mmattn.tokens import Tokens, check_tokens
 
 __all__ = ["TransformerBlock", "CrossAttentionBlock", "Encoder", "MLP"]
-
-_ATTENTION_KINDS = ("full", "local")
 
 
 def block_attn_mask(
@@ -117,13 +118,19 @@ class TransformerBlock(nn.Module):
         dropout: dropout on the attention weights and in the MLP.
         bias: biases in the attention projections and the MLP.
         mlp_ratio: MLP hidden width as a multiple of ``embed_dim``.
-        attention: "full" (:class:`~mmattn.MultiHeadAttention`) or "local"
-            (:class:`~mmattn.local.LocalAttention`, query i sees keys within
-            ``window_size``).
-        window_size: the local window; required when ``attention="local"``.
-        causal: query i sees only keys j <= i.
+        attention: a registered name — "full" (:class:`~mmattn.MultiHeadAttention`),
+            "local" (:class:`~mmattn.LocalAttention`), "additive", "linformer", or any
+            name given to :func:`~mmattn.registry.register_attention` — an attention class,
+            or a callable; called as ``attention(embed_dim, num_heads, dropout=, bias=,
+            device=, dtype=, **attention_kwargs)``.
+        window_size: the local window, passed to the attention (required for "local");
+            the same as ``attention_kwargs={"window_size": w}``.
+        causal: query i sees only keys j <= i — ``is_causal=True`` on every call, for every
+            variant (one that cannot be causal, e.g. "linformer", raises in ``forward``).
         norm_eps: LayerNorm epsilon.
         device, dtype: factory arguments.
+        attention_kwargs: more arguments for the attention (``num_kv_heads``, ``position``,
+            ``seq_len``/``proj_len`` for "linformer", ...).
 
     Shape:
         - tokens: Tokens with x (B, L, D), mask (B, L)
@@ -135,8 +142,10 @@ class TransformerBlock(nn.Module):
         TypeError: ``tokens`` is not Tokens or has another dtype than the parameters; bad
             argument types.
         ValueError: ``tokens`` width differs from ``embed_dim``, or it lives on another
-            device; ``norm_eps`` < 0 or ``mlp_ratio`` <= 0; unknown ``attention``;
-            ``window_size`` missing for "local"; ``attn_mask`` of the wrong shape.
+            device; ``norm_eps`` < 0 or ``mlp_ratio`` <= 0; an unknown ``attention`` name
+            (the message lists the known ones); an argument the attention does not take,
+            or a required one missing (``window_size`` for "local"); ``attn_mask`` of the
+            wrong shape.
 
     Examples:
         >>> block = TransformerBlock(embed_dim=16, num_heads=2)
@@ -154,39 +163,33 @@ class TransformerBlock(nn.Module):
         bias: bool = True,
         *,
         mlp_ratio: float = 4.0,
-        attention: str = "full",
+        attention: AttentionSpec = "full",
         window_size: int | None = None,
         causal: bool = False,
         norm_eps: float = 1e-5,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        attention_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
-        if attention not in _ATTENTION_KINDS:
-            raise ValueError(f"attention must be one of {_ATTENTION_KINDS}, got {attention!r}")
+        label, _ = resolve_attention(attention)
+        kwargs = dict(attention_kwargs or {})
+        if window_size is not None:
+            checks.check_positive_int("window_size", window_size, minimum=0)
+            kwargs["window_size"] = window_size
         factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.mlp_ratio = mlp_ratio
-        self.attention = attention
+        self.attention = label
         self.causal = bool(causal)
         self.window_size = window_size
         self.norm1 = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
-        if attention == "local":
-            if window_size is None:
-                raise ValueError("window_size must be given when attention='local', got None")
-            checks.check_positive_int("window_size", window_size, minimum=0)
-            self.attn = LocalAttention(
-                embed_dim, num_heads, window_size, dropout=dropout, bias=bias, causal=causal,
-                **factory,
-            )
-        else:
-            if window_size is not None:
-                raise ValueError(
-                    f"window_size is only used with attention='local', got {window_size}"
-                )
-            self.attn = MultiHeadAttention(embed_dim, num_heads, dropout, bias, **factory)
+        self.attn = build_attention(
+            attention, embed_dim, num_heads, dropout=dropout, bias=bias, attention_kwargs=kwargs,
+            **factory,
+        )
         self.norm2 = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
         self.mlp = MLP(embed_dim, hidden, dropout, bias, **factory)
 
@@ -207,17 +210,23 @@ class TransformerBlock(nn.Module):
             parts.append("causal=True")
         return ", ".join(parts)
 
-    def forward(self, tokens: Tokens, attn_mask: Tensor | None = None) -> Tokens:
-        """Self-attend and transform ``tokens``; see the class docstring."""
+    def forward(
+        self, tokens: Tokens, attn_mask: Tensor | None = None, *, cache: Any = None
+    ) -> Tokens:
+        """Self-attend and transform ``tokens``; see the class docstring.
+
+        ``cache`` (from ``block.attn.make_cache(...)``, causal blocks only) decodes step by
+        step: ``tokens`` are the new tokens, attending everything cached before them.
+        """
         check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
         attn_mask = block_attn_mask(
             attn_mask, tokens.batch_size, self.num_heads, tokens.length, tokens.length
         )
         x = tokens.zero_padding()
         h = self.norm1(x)
-        kwargs = {}
-        if self.causal and self.attention == "full":
-            kwargs["is_causal"] = True
+        kwargs = {"is_causal": True} if self.causal else {}
+        if cache is not None:
+            kwargs["cache"] = cache
         attn, _ = self.attn(
             h, h, h, key_padding_mask=tokens.key_padding_mask, attn_mask=attn_mask, **kwargs
         )
@@ -300,8 +309,19 @@ class CrossAttentionBlock(nn.Module):
             f"mlp_ratio={self.mlp_ratio}"
         )
 
-    def forward(self, query: Tokens, context: Tokens, attn_mask: Tensor | None = None) -> Tokens:
-        """Let ``query`` attend ``context``; see the class docstring."""
+    def forward(
+        self,
+        query: Tokens,
+        context: Tokens,
+        attn_mask: Tensor | None = None,
+        *,
+        cache: ContextCache | None = None,
+    ) -> Tokens:
+        """Let ``query`` attend ``context``; see the class docstring.
+
+        ``cache`` (from ``block.attn.make_cache(...)``) keeps the projected context of the
+        first call, so decoding steps do not project it again.
+        """
         param = checks.first_param(self)
         check_tokens("query", query, self.embed_dim, like=param)
         check_tokens("context", context, self.kdim, "kdim", like=param)
@@ -315,9 +335,10 @@ class CrossAttentionBlock(nn.Module):
         )
         x = query.zero_padding()
         c = self.norm_context(context.zero_padding())
+        kwargs = {} if cache is None else {"cache": cache}
         attn, _ = self.attn(
             self.norm_query(x), c, c, key_padding_mask=context.key_padding_mask,
-            attn_mask=attn_mask,
+            attn_mask=attn_mask, **kwargs,
         )
         x = x + attn
         x = x + self.mlp(self.norm2(x))
@@ -333,7 +354,8 @@ class Encoder(nn.Module):
         num_heads: attention heads per block.
         dropout: dropout in every block.
         bias: biases in every block.
-        mlp_ratio, attention, window_size, causal, norm_eps: passed to every block.
+        mlp_ratio, attention, window_size, causal, norm_eps, attention_kwargs: passed to
+            every block (each block builds its own attention).
         final_norm: apply a LayerNorm after the last block.
         device, dtype: factory arguments.
 
@@ -360,13 +382,14 @@ class Encoder(nn.Module):
         bias: bool = True,
         *,
         mlp_ratio: float = 4.0,
-        attention: str = "full",
+        attention: AttentionSpec = "full",
         window_size: int | None = None,
         causal: bool = False,
         norm_eps: float = 1e-5,
         final_norm: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        attention_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.depth = checks.check_positive_int("depth", depth)
@@ -375,7 +398,7 @@ class Encoder(nn.Module):
             TransformerBlock(
                 embed_dim, num_heads, dropout, bias, mlp_ratio=mlp_ratio, attention=attention,
                 window_size=window_size, causal=causal, norm_eps=norm_eps, device=device,
-                dtype=dtype,
+                dtype=dtype, attention_kwargs=attention_kwargs,
             )
             for _ in range(depth)
         )

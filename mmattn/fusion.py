@@ -27,6 +27,7 @@ from torch import nn
 
 from mmattn import _checks as checks
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
+from mmattn.registry import AttentionSpec
 from mmattn.tokens import RESERVED_NAMES, Tokens
 
 #: meta keys the encoder writes itself; no modality may be named so.
@@ -68,6 +69,9 @@ class MultiModalEncoder(nn.Module):
         num_latents: number of latent tokens for "latent".
         dropout: dropout in every block.
         mlp_ratio: MLP width of every block, as a multiple of ``embed_dim``.
+        attention, attention_kwargs: the self-attention of every block, as in
+            :class:`~mmattn.blocks.TransformerBlock` (the latents' cross-attention stays
+            :class:`~mmattn.CrossAttention`).
         device, dtype: factory arguments for the encoder's own parameters (adapters keep
             theirs).
 
@@ -107,6 +111,8 @@ class MultiModalEncoder(nn.Module):
         num_latents: int = 16,
         dropout: float = 0.0,
         mlp_ratio: float = 4.0,
+        attention: AttentionSpec = "full",
+        attention_kwargs: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -147,9 +153,10 @@ class MultiModalEncoder(nn.Module):
             {name: nn.Parameter(torch.empty(embed_dim, **factory)) for name in adapters}
         )
         block_kw = {"dropout": dropout, "mlp_ratio": mlp_ratio, **factory}
+        attention_kw = {"attention": attention, "attention_kwargs": attention_kwargs}
         if fusion == "concat":
             self.num_latents = None
-            self.encoder = Encoder(embed_dim, depth, num_heads, **block_kw)
+            self.encoder = Encoder(embed_dim, depth, num_heads, **block_kw, **attention_kw)
         else:
             self.num_latents = checks.check_positive_int("num_latents", num_latents)
             self.latents = nn.Parameter(torch.empty(num_latents, embed_dim, **factory))
@@ -157,7 +164,8 @@ class MultiModalEncoder(nn.Module):
                 CrossAttentionBlock(embed_dim, num_heads, **block_kw) for _ in range(depth)
             )
             self.self_blocks = nn.ModuleList(
-                TransformerBlock(embed_dim, num_heads, **block_kw) for _ in range(depth)
+                TransformerBlock(embed_dim, num_heads, **block_kw, **attention_kw)
+                for _ in range(depth)
             )
             self.norm = nn.LayerNorm(embed_dim, **factory)
         self.reset_parameters()

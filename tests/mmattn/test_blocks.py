@@ -125,11 +125,12 @@ def test_transformer_block_errors():
         block(Tokens(torch.randn(2, 3, 8)))
     with pytest.raises(ValueError, match="attn_mask must have shape"):
         block(Tokens(torch.randn(2, 3, 16)), attn_mask=torch.zeros(4, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="attention must be one of"):
+    with pytest.raises(ValueError, match=r"attention must be one of the registered names \["
+                                         r"'additive', 'full', 'linformer', 'local'.*'sparse'"):
         TransformerBlock(16, 2, attention="sparse")
-    with pytest.raises(ValueError, match="window_size must be given"):
+    with pytest.raises(ValueError, match="window_size must be given for attention='local'"):
         TransformerBlock(16, 2, attention="local")
-    with pytest.raises(ValueError, match="window_size is only used"):
+    with pytest.raises(ValueError, match="window_size is not an argument of attention='full'"):
         TransformerBlock(16, 2, window_size=3)
     with pytest.raises(ValueError, match="mlp_ratio"):
         TransformerBlock(16, 2, mlp_ratio=0)
