@@ -20,8 +20,11 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The suite runs with the fused-attention switch both ways; the second run skips the
+# examples, which do not depend on the switch beyond what tests/mmattn covers.
 test: $(STAMP) lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	MMATTN_FUSED_ATTN=1 $(PY) -m pytest $(PYTEST_ARGS)
+	MMATTN_FUSED_ATTN=0 $(PY) -m pytest $(PYTEST_ARGS) tests/mmattn tests/adapters
 
 demo: $(STAMP)
 	$(PY) -m examples.demo

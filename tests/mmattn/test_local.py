@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmattn import LocalAttention, MultiHeadAttention
-from mmattn._blocked import local_attend
+from mmattn._blocked import default_block_size, local_attend
 from mmattn.functional import fused_attn, local_attention, scaled_dot_product_attention
 from mmattn.local import local_allowed
 from mmattn.masks import band_mask
@@ -215,10 +215,16 @@ def test_gradients_equal_dense():
         torch.testing.assert_close(p.grad, ref, atol=1e-10, rtol=0)
 
 
-def test_no_quadratic_tensor_without_weights():
-    """The forward saves nothing of size L² (autograd's saved tensors are inspected)."""
-    length, window = 512, 4
-    local = LocalAttention(16, 4, window)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_no_quadratic_tensor_without_weights(fused):
+    """The forward saves nothing of size L² (autograd's saved tensors are inspected).
+
+    The explicit path saves the per-block weights, (b·n, h, s, s + 2w): h·L·(s + 2w)
+    elements, linear in L. One head's dense map would be L², all heads' h·L².
+    """
+    length, window, heads = 512, 4, 4
+    local = LocalAttention(16, heads, window)
+    block = default_block_size(window, False)
     x = torch.randn(1, length, 16)
     sizes = []
 
@@ -226,9 +232,10 @@ def test_no_quadratic_tensor_without_weights():
         sizes.append(t.numel())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with fused_attn(fused), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         local(x, key_padding_mask=torch.zeros(1, length, dtype=torch.bool))[0].sum()
-    assert sizes and max(sizes) < length * length // 4  # dense scores would be 4·L²
+    assert sizes and max(sizes) <= heads * length * (block + 2 * window)
+    assert max(sizes) < length * length
 
 
 def test_extra_repr_and_reset_parameters():
