@@ -1,0 +1,142 @@
+"""Imports go one way: no cycle inside ``mmattn`` or ``adapters``, and none between them.
+
+The graph is read from the source with ``ast`` — every ``import`` statement, at module level
+or inside a function (a lazy import that dodges a cycle still counts), except those under
+``if TYPE_CHECKING:``. ``from pkg import name`` is an edge to ``pkg.name`` when that is a
+module, else to ``pkg`` itself. A second test imports ``mmattn`` in a fresh interpreter and
+checks that no module is loaded twice.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("mmattn", "adapters")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the package modules it imports} for mmattn and adapters."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skipped = _type_checking_nodes(tree)
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".")
+                    anchor = anchor if is_package else anchor[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
+            for target in targets:
+                while target and target not in modules:  # `import a.b.c` -> deepest module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [m0, m1, ..., m0], or None."""
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_package_imports_have_no_cycle():
+    graph = import_graph()
+    assert "mmattn._kernel" in graph["mmattn.attention"]  # the parser sees real edges
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_mmattn_never_imports_adapters():
+    graph = import_graph()
+    back = {m: sorted(t for t in ts if t.startswith("adapters"))
+            for m, ts in graph.items() if m.startswith("mmattn")}
+    assert not any(back.values()), back
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+#: Run in a fresh interpreter: a finder first on sys.meta_path sees every module the import
+#: system looks for, which it does only when the module is not loaded yet.
+_COUNT_IMPORTS = """
+import sys
+seen = []
+class Spy:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        seen.append(name)
+        return None
+sys.meta_path.insert(0, Spy)
+import {package}
+print("\\n".join(seen))
+"""
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_import_executes_each_module_once(package):
+    result = subprocess.run(
+        [sys.executable, "-c", _COUNT_IMPORTS.format(package=package)],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )
+    ours = [n for n in result.stdout.split() if n.split(".")[0] in PACKAGES]
+    assert "mmattn._kernel" in ours
+    twice = sorted({n for n in ours if ours.count(n) > 1})
+    assert not twice, f"imported more than once: {twice}"
