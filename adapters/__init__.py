@@ -6,7 +6,7 @@ the pip extra (``pip install "mmattn[vision]"``, ``[audio]``, ``[graph]``).
 """
 
 from adapters.audio import AudioFrameEmbedder, num_frames
-from adapters.base import ModalityAdapter, available, create
+from adapters.base import ModalityAdapter, adapter_class, available, create
 from adapters.graph import GraphNodeSequencer, laplacian_eigenvectors, neighbourhood_mask
 from adapters.image import IMAGENET_MEAN, IMAGENET_STD, ImagePatcher, image_transform
 from adapters.text import ByteTokenizer, TextTokenEmbedder
@@ -20,6 +20,7 @@ __all__ = [
     "ImagePatcher",
     "ModalityAdapter",
     "TextTokenEmbedder",
+    "adapter_class",
     "available",
     "create",
     "image_transform",

@@ -14,6 +14,7 @@ padded batch has that many real frames (the mask).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,15 @@ class AudioFrameEmbedder(ModalityAdapter):
     """
 
     modality = "audio"
+
+    @classmethod
+    def example(cls) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """Two short clips of different lengths (see :meth:`ModalityAdapter.example`)."""
+        kwargs = dict(
+            embed_dim=16, sample_rate=8000, n_mels=8, n_fft=64, hop_length=32,
+            positional="learned", max_frames=64,
+        )
+        return kwargs, (torch.randn(2, 320), torch.tensor([320, 100]))
 
     def __init__(
         self,

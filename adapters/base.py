@@ -17,7 +17,7 @@ from torch import nn
 from mmattn._checks import check_positive_int, first_param
 from mmattn.tokens import Tokens
 
-__all__ = ["ModalityAdapter", "available", "create"]
+__all__ = ["ModalityAdapter", "adapter_class", "available", "create"]
 
 _REGISTRY: dict[str, type[ModalityAdapter]] = {}
 
@@ -79,6 +79,26 @@ class ModalityAdapter(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Tokens:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement forward")
 
+    @classmethod
+    def example(cls) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """A small working configuration: ``(constructor kwargs, forward inputs)``.
+
+        ``cls(**kwargs)(*inputs)`` must return Tokens. The contract test
+        (``tests/adapters/test_contract.py``) runs every registered adapter from its
+        example — shape, mask, dtype/device, padding and gradient checks, CPU and CUDA — so
+        a subclass defines one to be checked; the base raises NotImplementedError.
+
+        Examples:
+            >>> from adapters import ImagePatcher
+            >>> kwargs, inputs = ImagePatcher.example()
+            >>> ImagePatcher(**kwargs)(*inputs).x.shape
+            torch.Size([2, 9, 16])
+        """
+        raise NotImplementedError(
+            f"{cls.__name__}.example() is not defined: return (constructor kwargs, forward "
+            f"inputs) so the contract test can check the adapter"
+        )
+
     def _param_dtype_device(self) -> tuple[torch.dtype, torch.device]:
         """dtype and device of the module's first parameter (the tokens follow them).
 
@@ -101,6 +121,27 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def adapter_class(name: str) -> type[ModalityAdapter]:
+    """The adapter class registered as ``name``.
+
+    Raises:
+        ValueError: no adapter is registered under ``name``.
+
+    Examples:
+        >>> adapter_class("text").__name__
+        'TextTokenEmbedder'
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"name must be a str, one of {available()}, got {type(name).__name__} ({name!r})"
+        )
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"name must be one of the registered modalities {available()}, got {name!r}"
+        )
+    return _REGISTRY[name]
+
+
 def create(name: str, **kwargs: Any) -> ModalityAdapter:
     """Build the adapter registered as ``name`` with ``kwargs``.
 
@@ -117,12 +158,4 @@ def create(name: str, **kwargs: Any) -> ModalityAdapter:
         >>> create("text", vocab_size=259, embed_dim=16).embed_dim
         16
     """
-    if not isinstance(name, str):
-        raise TypeError(
-            f"name must be a str, one of {available()}, got {type(name).__name__} ({name!r})"
-        )
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"name must be one of the registered modalities {available()}, got {name!r}"
-        )
-    return _REGISTRY[name](**kwargs)
+    return adapter_class(name)(**kwargs)

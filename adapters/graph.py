@@ -13,7 +13,7 @@ Axis key: ``n`` nodes of the whole batch (N_total), ``f`` node feature width
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from einops import rearrange, repeat
@@ -239,6 +239,23 @@ class GraphNodeSequencer(ModalityAdapter):
     """
 
     modality = "graph"
+
+    @classmethod
+    def example(cls) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """A batch of three small random graphs (see :meth:`ModalityAdapter.example`).
+
+        Raises:
+            ImportError: torch_geometric is missing (the message names the pip extra).
+        """
+        data = require("torch_geometric.data", "graph")
+        graphs = [
+            data.Data(x=torch.randn(n, 5), edge_index=torch.randint(0, n, (2, 2 * n)))
+            for n in (4, 2, 6)
+        ]
+        kwargs = dict(
+            in_channels=5, embed_dim=16, structural=("degree", "laplacian"), num_eigenvectors=3
+        )
+        return kwargs, (data.Batch.from_data_list(graphs),)
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ weight reshaped to (d, c, p, p) on CUDA, an einops rearrange + linear on CPU.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,11 @@ class ImagePatcher(ModalityAdapter):
     """
 
     modality = "image"
+
+    @classmethod
+    def example(cls) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """A 12×12 image in 4-pixel patches (see :meth:`ModalityAdapter.example`)."""
+        return dict(embed_dim=16, patch_size=4, img_size=12), (torch.rand(2, 3, 12, 12),)
 
     def __init__(
         self,

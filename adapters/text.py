@@ -9,6 +9,7 @@ Axis key: ``b`` batch, ``l`` token length, ``d`` model width (``embed_dim``), ``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -161,6 +162,12 @@ class TextTokenEmbedder(ModalityAdapter):
     """
 
     modality = "text"
+
+    @classmethod
+    def example(cls) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """Two byte-encoded sentences (see :meth:`ModalityAdapter.example`)."""
+        ids = ByteTokenizer().encode(["I love AI", "我爱AI"])
+        return dict(vocab_size=259, embed_dim=16, positional="learned", max_len=32), (ids,)
 
     def __init__(
         self,

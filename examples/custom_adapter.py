@@ -43,11 +43,19 @@ class TimeSeriesAdapter(ModalityAdapter):
 
     modality = "timeseries"
 
+    @classmethod
+    def example(cls) -> tuple[dict, tuple]:
+        """Constructor kwargs and an input, so the adapter contract test checks this class."""
+        return dict(embed_dim=16, channels=3), (torch.randn(2, 7, 3), torch.tensor([7, 4]))
+
     def __init__(self, embed_dim: int, channels: int) -> None:
         super().__init__(embed_dim)
         self.channels = channels
         self.proj = nn.Linear(channels, embed_dim)
         self.position = SinusoidalPositionalEncoding(embed_dim)
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, channels={self.channels}"
 
     def forward(self, series: Tensor, lengths: Tensor | None = None) -> Tokens:
         if series.dim() != 3 or series.shape[-1] != self.channels:
@@ -55,8 +63,9 @@ class TimeSeriesAdapter(ModalityAdapter):
                 f"series must have shape (batch, time, {self.channels}), got "
                 f"{tuple(series.shape)}"
             )
-        mask = None if lengths is None else padding_mask(lengths, series.shape[1])
-        x = self.position(self.proj(series))
+        dtype, device = self._param_dtype_device()  # tokens follow the module (contract)
+        mask = None if lengths is None else padding_mask(lengths, series.shape[1]).to(device)
+        x = self.position(self.proj(series.to(device=device, dtype=dtype)))
         return Tokens(x, mask, {"modality": self.modality, "channels": self.channels})
 
 

@@ -7,30 +7,69 @@ parameter, weights are a distribution over allowed keys — on CPU and, when pre
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from mmattn import (
-    AdditiveAttention,
-    CrossAttention,
-    LinformerAttention,
-    LocalAttention,
-    MultiHeadAttention,
-)
+import mmattn
+from mmattn import LinformerAttention, MultiHeadAttention
 from mmattn.functional import fused_attn
 
 E, H, L = 16, 4, 10
 
-FACTORIES = {
-    "MultiHeadAttention": lambda **kw: MultiHeadAttention(E, H, **kw),
-    "CrossAttention": lambda **kw: CrossAttention(E, H, **kw),
-    "LocalAttention": lambda **kw: LocalAttention(E, H, window_size=3, **kw),
-    "LocalAttention-causal-global": lambda **kw: LocalAttention(
-        E, H, window_size=2, causal=True, num_global_tokens=1, **kw
-    ),
-    "AdditiveAttention": lambda **kw: AdditiveAttention(E, H, **kw),
-    "LinformerAttention": lambda **kw: LinformerAttention(E, H, seq_len=16, proj_len=6, **kw),
-}
+
+class TemperedAttention(MultiHeadAttention):
+    """A variant defined here, as a user would: the contract must hold for it too."""
+
+    def __init__(self, embed_dim, num_heads, *, temperature=0.5, **kwargs):
+        super().__init__(embed_dim, num_heads, **kwargs)
+        self.temperature = temperature
+
+    def _attention(self, q, k, v, mask, *, is_causal, dropout_p, need_weights):
+        return super()._attention(
+            q / self.temperature, k, v, mask, is_causal=is_causal, dropout_p=dropout_p,
+            need_weights=need_weights,
+        )
+
+
+def attention_classes() -> list[type]:
+    """Every attention class mmattn exports, plus the test-defined variant."""
+    exported = [getattr(mmattn, name) for name in mmattn.__all__]
+    found = [c for c in exported if isinstance(c, type) and issubclass(c, MultiHeadAttention)]
+    return [*found, TemperedAttention]
+
+
+#: Example values for required constructor arguments, by argument name. A new class with a
+#: required argument not listed here fails test_every_class_is_constructible.
+EXAMPLE_ARGS = {"window_size": 3, "seq_len": 16, "proj_len": 6}
+
+
+def _required(cls: type) -> dict:
+    params = list(inspect.signature(cls).parameters.values())[2:]  # after embed_dim, num_heads
+    return {p.name: EXAMPLE_ARGS.get(p.name) for p in params
+            if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _factory(cls: type, **extra):
+    return lambda **kw: cls(E, H, **_required(cls), **extra, **kw)
+
+
+FACTORIES = {cls.__name__: _factory(cls) for cls in attention_classes()}
+FACTORIES.update({f"{name}-gqa": _factory(cls, num_kv_heads=2)
+                  for name, cls in [(c.__name__, c) for c in attention_classes()]})
+FACTORIES["LocalAttention-causal-global"] = _factory(
+    mmattn.LocalAttention, causal=True, num_global_tokens=1
+)
+
+
+def test_every_class_is_discovered_and_constructible():
+    names = {cls.__name__ for cls in attention_classes()}
+    assert {"MultiHeadAttention", "CrossAttention", "LocalAttention", "AdditiveAttention",
+            "LinformerAttention", "TemperedAttention"} <= names
+    for cls in attention_classes():
+        missing = [k for k, v in _required(cls).items() if v is None]
+        assert not missing, f"{cls.__name__} needs an example value in EXAMPLE_ARGS: {missing}"
 
 
 @pytest.fixture(params=sorted(FACTORIES))
