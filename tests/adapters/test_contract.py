@@ -5,7 +5,8 @@ sensor adapter below, and ``examples.custom_adapter``'s time-series adapter — 
 fed from its class's ``example()``; a few extra configurations of the built-ins follow.
 The test checks the token shape (B, L, embed_dim), the mask (None or bool (B, L) on the
 same device), that the tokens follow the module's dtype and device, and that a loss on the
-real tokens sends a finite, non-zero gradient to every parameter; on CPU and CUDA, in float32 and bfloat16.
+real tokens sends a finite, non-zero gradient to every parameter; on CPU and CUDA, in
+float32 and bfloat16.
 """
 
 from __future__ import annotations
