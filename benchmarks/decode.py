@@ -2,9 +2,9 @@
 
 Run: ``.venv/bin/python benchmarks/decode.py`` (``--quick`` for a short smoke run).
 
-A causal decoder of ``depth`` pre-norm :class:`mmattn.TransformerBlock` layers (D=256, H=8,
-MLP ×4, fp32, CPU, one thread by default, eval mode under ``torch.no_grad``) produces T=512 outputs for a batch of
-B=8, one position at a time, two ways:
+A causal decoder of ``depth`` (default 1) pre-norm :class:`mmattn.TransformerBlock` layers
+(D=256, H=8, MLP ×4, fp32, CPU, one thread by default, eval mode under ``torch.no_grad``)
+produces T=512 outputs for a batch of B=8, one position at a time, two ways:
 
 - ``cache``: each layer has a :class:`mmattn.cache.KVCache`; step t feeds only token t, which
   attends the t cached keys — O(t) work per step;
