@@ -28,6 +28,7 @@ from examples._common import Result
 EXAMPLES = (
     "multimodal_match",
     "audio_dtmf",
+    "caption_decoder",
     "graph_sbm",
     "text_recall",
     "image_digits",

@@ -64,3 +64,14 @@ def test_demo_runner_writes_table_and_results_json(tmp_path, capsys):
         assert isinstance(entry["metric"], str) and math.isfinite(entry["value"])
     out = capsys.readouterr().out
     assert "| example" in out and "| custom_adapter" in out
+
+
+def test_caption_decoder_cached_steps_equal_the_whole_sequence(tmp_path, capsys):
+    from examples import caption_decoder
+
+    results = caption_decoder.run(quick=True, out_dir=tmp_path, show_progress=False)
+    check = {r.example: r for r in results}["caption_decoder/cache"]
+    assert check.value == 1.0  # every step's logits within 1e-4 of the one-call run
+    out = capsys.readouterr().out
+    diff = float(out.split("max |logit diff| = ")[1].split()[0])
+    assert diff <= 1e-4
