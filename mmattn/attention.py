@@ -61,6 +61,17 @@ class MultiHeadAttention(nn.MultiheadAttention):
         vdim: value width (default ``embed_dim``).
         batch_first: inputs are (B, L, D) when True, (L, B, D) when False.
         device, dtype: factory arguments for the parameters.
+        num_kv_heads: key/value heads for grouped-query attention (must divide
+            ``num_heads``; 1 = multi-query; default ``num_heads``). ``k_proj``/``v_proj``
+            output ``num_kv_heads * head_dim``; K/V are never repeated per query head.
+        position: applied to q and k after the head split as ``position(x, offset)``
+            (``offset`` = tokens already cached, else 0): a module such as
+            :class:`~mmattn.rotary.RotaryEmbedding`, or ``"rotary"`` to build one of the
+            head width (which must then be even).
+
+    Decoding: ``cache = module.make_cache(batch_size, max_len)`` and
+    ``forward(x_step, is_causal=True, cache=cache)`` append this call's keys and values and
+    attend everything cached so far (see :mod:`mmattn.cache`).
 
     Shape:
         - query: (B, L, D), or (L, D) unbatched, or (L, B, D) with ``batch_first=False``
@@ -71,9 +82,11 @@ class MultiHeadAttention(nn.MultiheadAttention):
           heads or (B, H, L, S) per head when ``need_weights`` (else None)
 
     Raises:
-        ValueError / TypeError: at construction for bad sizes, and in ``forward`` for inputs
-            or masks of the wrong rank, shape, dtype or device — the message names the
-            argument and the expected and actual values.
+        ValueError / TypeError: at construction for bad sizes (``num_kv_heads`` that does
+            not divide ``num_heads``, a ``position`` of another width or an odd head width
+            for ``"rotary"``), and in ``forward`` for inputs or masks of the wrong rank,
+            shape, dtype or device, or a cache made for another batch size or dtype, or full
+            — the message names the argument and the expected and actual values.
 
     Examples:
         >>> mha = MultiHeadAttention(embed_dim=16, num_heads=4)

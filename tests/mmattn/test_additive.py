@@ -143,3 +143,25 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="key_padding_mask must have dtype"):
         module(torch.randn(2, 3, 8), torch.randn(2, 4, 5),
                key_padding_mask=torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["chunked", "explicit"])
+def test_compiles_fullgraph_with_masks(fused):
+    """The explicit path never masks in place on a tracked or strided view (issue 9, item 8)."""
+    attn = AdditiveAttention(16, 2, kdim=6, vdim=6, num_kv_heads=1)
+    q, kv = torch.randn(2, 5, 16), torch.randn(2, 7, 6)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[0, 4:] = True
+    kpm[1] = True  # a sample without any real key
+    band = torch.rand(5, 7) > 0.7
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    with fused_attn(fused):
+        want, want_w = attn(q, kv, key_padding_mask=kpm, attn_mask=band, need_weights=True)
+        got, got_w = compiled(q, kv, key_padding_mask=kpm, attn_mask=band, need_weights=True)
+        plain, _ = compiled(q, kv, key_padding_mask=kpm)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=0)
+    torch.testing.assert_close(plain, attn(q, kv, key_padding_mask=kpm)[0], atol=1e-5, rtol=0)
+    got.square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in attn.parameters())
