@@ -24,9 +24,9 @@ from mmattn import _checks as checks
 from mmattn import interop
 from mmattn._helpers import default
 from mmattn._kernel import attend
-from mmattn.cache import ContextCache, KVCache, LocalKVCache
+from mmattn.cache import ContextCache, KVCache, LocalKVCache, check_cache_call
 from mmattn.masks import causal_mask, merge_masks
-from mmattn.rotary import RotaryEmbedding
+from mmattn.rotary import resolve_position
 
 __all__ = ["MultiHeadAttention"]
 
@@ -475,34 +475,12 @@ class MultiHeadAttention(nn.MultiheadAttention):
         is_causal: bool,
     ) -> None:
         """Raise unless ``cache`` can serve this call (sizes and dtype are checked later)."""
-        if not isinstance(cache, (KVCache, LocalKVCache, ContextCache)):
-            raise TypeError(
-                f"cache must come from {type(self).__name__}.make_cache(...), got "
-                f"{type(cache).__name__}"
-            )
         self._check_cacheable()
-        if not batched:
-            raise ValueError("cache= needs batched input (batch, length, embed_dim)")
-        if attn_mask is not None:
-            raise ValueError("attn_mask is not supported with cache=: the cache builds the mask")
-        if cache.causal:
-            if key_padding_mask is not None:
-                raise ValueError(
-                    "key_padding_mask is not supported with a self-attention cache: every "
-                    "decoded token is real"
-                )
-            if not (is_causal or getattr(self, "causal", False)):
-                raise ValueError(
-                    f"{type(cache).__name__} decodes causally: call with is_causal=True "
-                    "(a step cannot see tokens that are not decoded yet)"
-                )
-        elif is_causal:
-            raise ValueError(
-                "is_causal=True does not apply with a ContextCache: every query step attends "
-                "the whole context"
-            )
-        elif self.position is not None:
-            raise ValueError("position= does not apply to a ContextCache (cross-attention)")
+        check_cache_call(
+            type(self).__name__, cache, batched=batched, key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask, causal=is_causal or getattr(self, "causal", False),
+            position=self.position,
+        )
 
     def _check_inputs(
         self,
@@ -671,40 +649,3 @@ def _fold_causal(
         return attn_mask | hidden
     return attn_mask.masked_fill(hidden, float("-inf"))
 
-
-def resolve_position(
-    position: nn.Module | Callable[..., Tensor] | str | None, head_dim: int
-) -> nn.Module | Callable[..., Tensor] | None:
-    """The ``position=`` argument as a callable ``position(x, offset)`` (or None).
-
-    ``"rotary"`` builds :class:`~mmattn.rotary.RotaryEmbedding` of the head width. A module
-    with a ``dim`` attribute must rotate exactly ``head_dim`` columns.
-
-    Raises:
-        TypeError: not None, "rotary" or a callable.
-        ValueError: an unknown name; a width that is not ``head_dim``; an odd ``head_dim``
-            for a rotary encoding.
-    """
-    if position is None:
-        return None
-    if isinstance(position, str):
-        if position != "rotary":
-            raise ValueError(f"position must be 'rotary' or a module, got {position!r}")
-        if head_dim % 2:
-            raise ValueError(
-                f"position='rotary' needs an even head width (embed_dim // num_heads), got "
-                f"head_dim={head_dim}"
-            )
-        return RotaryEmbedding(head_dim)
-    if not callable(position):
-        raise TypeError(
-            f"position must be a module called as position(x, offset), 'rotary' or None, got "
-            f"{type(position).__name__}"
-        )
-    width = getattr(position, "dim", head_dim)
-    if width != head_dim:
-        raise ValueError(
-            f"position must act on the head width head_dim={head_dim} (embed_dim // "
-            f"num_heads), got {type(position).__name__} with dim={width}"
-        )
-    return position

@@ -347,3 +347,49 @@ class ContextCache(_Cache):
             self.context_len, self.mask = length, mask
         length = self.context_len
         return self.k[:, :, :length], self.v[:, :, :length], self.mask
+
+
+def check_cache_call(
+    owner: str,
+    cache: object,
+    *,
+    batched: bool,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    causal: bool,
+    position: object,
+) -> None:
+    """Raise unless ``cache`` can serve an attention call (sizes and dtype: in ``update``).
+
+    Raises:
+        TypeError: ``cache`` is not one of the caches here.
+        ValueError: unbatched input; an ``attn_mask``; a ``key_padding_mask`` or no causal
+            rule with a self-attention cache; ``is_causal`` or ``position`` with a
+            :class:`ContextCache`.
+    """
+    if not isinstance(cache, _Cache):
+        raise TypeError(
+            f"cache must come from {owner}.make_cache(...), got {type(cache).__name__}"
+        )
+    if not batched:
+        raise ValueError("cache= needs batched input (batch, length, embed_dim)")
+    if attn_mask is not None:
+        raise ValueError("attn_mask is not supported with cache=: the cache builds the mask")
+    if cache.causal:
+        if key_padding_mask is not None:
+            raise ValueError(
+                "key_padding_mask is not supported with a self-attention cache: every "
+                "decoded token is real"
+            )
+        if not causal:
+            raise ValueError(
+                f"{type(cache).__name__} decodes causally: call with is_causal=True "
+                "(a step cannot see tokens that are not decoded yet)"
+            )
+    elif causal:
+        raise ValueError(
+            "is_causal=True does not apply with a ContextCache: every query step attends "
+            "the whole context"
+        )
+    elif position is not None:
+        raise ValueError("position= does not apply to a ContextCache (cross-attention)")

@@ -16,12 +16,14 @@ Everything here is re-exported by :mod:`mmattn.position`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
 from mmattn._checks import check_last_dim, check_positive_int
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "rotary_cos_sin"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "resolve_position", "rotary_cos_sin"]
 
 
 def _check_even(name: str, value: int) -> None:
@@ -196,3 +198,41 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}"
+
+
+def resolve_position(
+    position: nn.Module | Callable[..., Tensor] | str | None, head_dim: int
+) -> nn.Module | Callable[..., Tensor] | None:
+    """The ``position=`` argument as a callable ``position(x, offset)`` (or None).
+
+    ``"rotary"`` builds :class:`~mmattn.rotary.RotaryEmbedding` of the head width. A module
+    with a ``dim`` attribute must rotate exactly ``head_dim`` columns.
+
+    Raises:
+        TypeError: not None, "rotary" or a callable.
+        ValueError: an unknown name; a width that is not ``head_dim``; an odd ``head_dim``
+            for a rotary encoding.
+    """
+    if position is None:
+        return None
+    if isinstance(position, str):
+        if position != "rotary":
+            raise ValueError(f"position must be 'rotary' or a module, got {position!r}")
+        if head_dim % 2:
+            raise ValueError(
+                f"position='rotary' needs an even head width (embed_dim // num_heads), got "
+                f"head_dim={head_dim}"
+            )
+        return RotaryEmbedding(head_dim)
+    if not callable(position):
+        raise TypeError(
+            f"position must be a module called as position(x, offset), 'rotary' or None, got "
+            f"{type(position).__name__}"
+        )
+    width = getattr(position, "dim", head_dim)
+    if width != head_dim:
+        raise ValueError(
+            f"position must act on the head width head_dim={head_dim} (embed_dim // "
+            f"num_heads), got {type(position).__name__} with dim={width}"
+        )
+    return position
