@@ -126,7 +126,7 @@ def run(
     seed_everything(seed)
     device = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
-    n_train, n_test, epochs = (128, 32, 2) if quick else (2000, 300, 15)
+    n_train, n_test, epochs = (128, 32, 2) if quick else (1500, 300, 10)
     waves, lengths, ids = (t.to(device) for t in caption_dataset(n_train + n_test, generator))
     train, test = torch.arange(n_train), torch.arange(n_train, n_train + n_test)
     model = CaptionDecoder().to(device)
