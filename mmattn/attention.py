@@ -602,9 +602,16 @@ class MultiHeadAttention(nn.MultiheadAttention):
         """An ``nn.MultiheadAttention`` with the same weights and settings (the inverse).
 
         Raises:
-            NotImplementedError: a variant with no torch equivalent (see ``no_torch_twin``).
+            NotImplementedError: a variant with no torch equivalent (see ``no_torch_twin``),
+                or grouped-query attention / a ``position`` module (torch has neither).
         """
         _check_torch_twin(type(self), "to_torch")
+        if self.num_kv_heads != self.num_heads or self.position is not None:
+            raise NotImplementedError(
+                f"to_torch is not available with num_kv_heads={self.num_kv_heads} (of "
+                f"num_heads={self.num_heads}) or position={self.position!r}: "
+                "nn.MultiheadAttention has neither grouped-query attention nor positions"
+            )
         weight = self.out_proj.weight
         module = nn.MultiheadAttention(
             self.embed_dim,

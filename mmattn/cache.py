@@ -144,6 +144,7 @@ class KVCache(_Cache):
         - buffers ``k``: (B, num_kv_heads, n, head_dim), ``v``: (B, num_kv_heads, n, value_dim)
 
     Examples:
+        >>> from mmattn import MultiHeadAttention
         >>> attn = MultiHeadAttention(16, 4)
         >>> cache = attn.make_cache(batch_size=2, max_len=8)
         >>> for _ in range(3):

@@ -31,6 +31,7 @@ PAGES = [
     "adapters/graph.md",
     "adapters/index.md",
     "variants.md#writing-your-own-attention-variant",
+    "decoding.md",
 ]
 NEEDS = {
     "adapters/audio.md": "torchaudio",

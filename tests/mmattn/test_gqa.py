@@ -188,3 +188,10 @@ def test_local_and_linformer_check_num_kv_heads():
         LocalAttention(24, 6, 2, num_kv_heads=5)
     with pytest.raises(ValueError, match="num_kv_heads must divide num_heads"):
         LinformerAttention(24, 6, seq_len=8, proj_len=4, num_kv_heads=4)
+
+
+def test_to_torch_refuses_what_torch_cannot_hold():
+    with pytest.raises(NotImplementedError, match="num_kv_heads=2 .* num_heads=4"):
+        MultiHeadAttention(16, 4, num_kv_heads=2).to_torch()
+    with pytest.raises(NotImplementedError, match="position=RotaryEmbedding"):
+        MultiHeadAttention(16, 4, position="rotary").to_torch()
