@@ -6,11 +6,11 @@ from mmattn.attention import MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
 from mmattn.cross import CrossAttention
 from mmattn.fusion import MultiModalEncoder
-from mmattn.interop import replace_attention
 from mmattn.linformer import LinformerAttention
 from mmattn.local import LocalAttention
 from mmattn.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
 from mmattn.registry import available_attention, register_attention
+from mmattn.replace import replace_attention
 from mmattn.tokens import Tokens
 
 __version__ = "0.1.0"
