@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/mha.py
 	$(PY) benchmarks/local.py
 	$(PY) benchmarks/adapters.py
+	$(PY) benchmarks/decode.py
 
 # The docs tools come with the dev extra; --strict turns every warning (a broken link, a
 # docstring mkdocstrings cannot read) into a failure.
