@@ -110,8 +110,11 @@ def test_latent_equals_perceiver_reference():
     inputs = _inputs()
     out = enc(inputs)
     # The fused input, built by hand from the adapters and the modality embeddings.
-    parts = [enc.adapters[name](*inputs[name]) for name in ("a", "b")]
-    context = torch.cat([t.x + enc.modality_embedding[i] for i, t in enumerate(parts)], dim=1)
+    names = ("a", "b")
+    parts = [enc.adapters[name](*inputs[name]) for name in names]
+    context = torch.cat(
+        [t.x + enc.modality_embedding[name] for name, t in zip(names, parts)], dim=1
+    )
     real = torch.cat([t.mask for t in parts], dim=1)
     context = context * real[..., None]
     x = enc.latents.expand(3, 5, D)
