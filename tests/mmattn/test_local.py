@@ -224,7 +224,7 @@ def test_no_quadratic_tensor_without_weights(fused):
     """
     length, window, heads = 512, 4, 4
     local = LocalAttention(16, heads, window)
-    block = default_block_size(window, False)
+    block = default_block_size(window)
     x = torch.randn(1, length, 16)
     sizes = []
 
