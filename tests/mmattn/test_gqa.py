@@ -195,3 +195,34 @@ def test_to_torch_refuses_what_torch_cannot_hold():
         MultiHeadAttention(16, 4, num_kv_heads=2).to_torch()
     with pytest.raises(NotImplementedError, match="position=RotaryEmbedding"):
         MultiHeadAttention(16, 4, position="rotary").to_torch()
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["dense", "local"])
+def test_explicit_path_never_repeats_kv(local):
+    """Autograd's saved tensors hold no K/V repeated per query head (explicit path).
+
+    With 8 query heads on 2 K/V heads, a repeated K or V would be (b, 8, j, e); the folded
+    explicit path saves only (b, 2, j, e) keys and values, the (b, 2, g·i, j) weights and
+    the queries.
+    """
+    heads, kv, i, j, e = 8, 2, 3, 64, 16
+    q = torch.randn(1, heads, j if local else i, e, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    def repeated_kv(kv_heads):
+        saved.clear()
+        with fused_attn(False), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            k, v = (torch.randn(1, kv_heads, j, e, requires_grad=True) for _ in range(2))
+            if local:  # blocks of 16 queries see slabs of 16 + 2·4 keys
+                local_attend(q, k, v, 4, block_size=16)[0].sum()
+            else:
+                attend(q, k, v, None)[0].sum()
+        keys = heads * (j // 16 * (16 + 8) if local else j) * e  # numel of a repeated K
+        return [tuple(t.shape) for t in saved if t.shape[-1] == e and t.numel() >= keys]
+
+    assert repeated_kv(heads)  # the check sees K/V of all heads when they are given so
+    assert not repeated_kv(kv)
