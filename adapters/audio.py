@@ -22,6 +22,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from adapters._imports import require
+from adapters._packing import add_positions, packed_from_mask
 from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_choice,
@@ -252,7 +253,12 @@ class AudioFrameEmbedder(ModalityAdapter):
                 )
 
     def forward(
-        self, waveform: Tensor, lengths: Tensor | None = None, input_rate: int | None = None
+        self,
+        waveform: Tensor,
+        lengths: Tensor | None = None,
+        input_rate: int | None = None,
+        *,
+        packed: bool = False,
     ) -> Tokens:
         """Embed a batch of clips.
 
@@ -260,6 +266,8 @@ class AudioFrameEmbedder(ModalityAdapter):
             waveform: the clips, padded at the end to a common length.
             lengths: samples of each clip (at ``input_rate``); None means all full length.
             input_rate: rate of ``waveform``; None means ``sample_rate``.
+            packed: return packed Tokens (jagged x, no mask): only each clip's real frames
+                are projected and positioned.
         """
         self._check(waveform, lengths, input_rate)
         check_has_data("waveform", waveform)
@@ -287,11 +295,18 @@ class AudioFrameEmbedder(ModalityAdapter):
                 f"waveform gives {feats.shape[1]} frames, more than max_frames="
                 f"{self.max_frames} (the learned positions)"
             )
-        x = self.position(self.proj(feats.to(dtype)))
         mask = None
         if lengths is not None:
             frames = num_frames(lengths, self.hop_length)
-            mask = torch.arange(x.shape[1], device=device) < rearrange(frames, "b -> b 1")
+            mask = torch.arange(feats.shape[1], device=device) < rearrange(frames, "b -> b 1")
+        if packed:
+            real = mask if mask is not None else torch.ones(
+                feats.shape[:2], dtype=torch.bool, device=device
+            )
+            rows, offsets = packed_from_mask(feats, real)
+            x = add_positions(self.position, self.proj(rows.to(dtype)), offsets)
+        else:
+            x = self.position(self.proj(feats.to(dtype)))
         meta = {
             "modality": self.modality,
             "hop_length": self.hop_length,
@@ -299,6 +314,8 @@ class AudioFrameEmbedder(ModalityAdapter):
             "sample_rate": self.sample_rate,
             "frame_rate": self.sample_rate / self.hop_length,
         }
+        if packed:
+            return Tokens.from_packed(x, offsets, meta)
         return Tokens(x, mask, meta)
 
     def edge_frames(self) -> int:

@@ -362,7 +362,13 @@ class GraphNodeSequencer(ModalityAdapter):
             extra = lap if extra is None else extra + lap
         return extra
 
-    def forward(self, data: Data) -> Tokens:
+    def forward(self, data: Data, *, packed: bool = False) -> Tokens:
+        """Node tokens of ``data``: padded with a mask, or packed (``packed=True``).
+
+        Packed, the projected nodes stay in PyG's own layout: ``x`` is a jagged (B, n*, D)
+        view of the (N_total, D) node rows with ``data.ptr`` (or the ``batch`` counts) as
+        offsets; nothing is padded and no ``to_dense_batch`` runs.
+        """
         pyg = _pyg("GraphNodeSequencer")
         x, edge_index, batch, num_graphs = self._unpack(data)
         dtype, device = self._param_dtype_device()
@@ -371,6 +377,11 @@ class GraphNodeSequencer(ModalityAdapter):
         h = self.proj(x.to(dtype))
         if self.structural:
             h = h + self._structural(x, edge_index, batch, num_graphs)
+        if packed:
+            offsets = _node_offsets(data, batch, num_graphs).to(h.device)
+            meta = {"modality": self.modality, "batch": batch, "num_nodes": x.shape[0],
+                    "num_graphs": offsets.shape[0] - 1}
+            return Tokens.from_packed(h, offsets, meta)
         dense, mask = pyg.utils.to_dense_batch(h, batch, batch_size=num_graphs)
         meta = {
             "modality": self.modality,
@@ -386,8 +397,10 @@ class GraphNodeSequencer(ModalityAdapter):
         The exact inverse of the layout of :meth:`forward`: ``to_nodes(self(data))[n]`` is
         node ``n``'s token, and it works on any width (e.g. after attention blocks).
 
+        Packed tokens give their ``values()``: the node rows in PyG's order, no copy.
+
         Shape:
-            - tokens.x: (B, N_max, D')
+            - tokens.x: (B, N_max, D'), or packed (B, n*, D')
             - Output: (N_total, D')
 
         Raises:
@@ -395,7 +408,10 @@ class GraphNodeSequencer(ModalityAdapter):
             ValueError: the mask's real count differs from ``meta["num_nodes"]``.
         """
         check_tokens("tokens", tokens)
-        nodes = tokens.x[tokens.full_mask()]
+        if tokens.is_packed:
+            nodes = tokens.x.values()
+        else:
+            nodes = tokens.x[tokens.full_mask()]
         expected = tokens.meta.get("num_nodes")
         if expected is not None and nodes.shape[0] != expected:
             raise ValueError(
@@ -422,3 +438,12 @@ class GraphNodeSequencer(ModalityAdapter):
             f"structural={self.structural}, max_degree={self.max_degree}, "
             f"num_eigenvectors={self.num_eigenvectors}"
         )
+
+
+def _node_offsets(data: Data, batch: Tensor, num_graphs: int | None) -> Tensor:
+    """(B + 1,) node offsets: ``data.ptr`` when the Batch has it, else from ``batch``."""
+    ptr = getattr(data, "ptr", None)
+    if isinstance(ptr, Tensor) and ptr.dim() == 1:
+        return ptr.long()
+    counts = torch.bincount(batch, minlength=num_graphs or 0)
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0))

@@ -242,7 +242,55 @@ class ImagePatcher(ModalityAdapter):
             return sinusoidal_2d(*grid, self.embed_dim, device=device, dtype=dtype)
         return None
 
-    def forward(self, images: Tensor) -> Tokens:
+    def forward(self, images: Tensor | Sequence[Tensor], *, packed: bool = False) -> Tokens:
+        """Patch tokens of a (B, C, H, W) batch, or packed tokens of a list of images.
+
+        Args:
+            images: a (B, C, H, W) batch, or (with ``packed=True``) a list of (C, H_m, W_m)
+                images of any sizes.
+            packed: return packed Tokens. A list is patched NaViT-style at native
+                resolution: each image on its own grid with its own 2D positions, nothing
+                resized or padded to a common size; ``meta["grids"]`` and
+                ``meta["paddings"]`` list each image's grid and edge padding.
+        """
+        if not isinstance(images, Tensor):
+            if not isinstance(images, (list, tuple)):
+                check_rank("images", images, (4,), "(batch, channels, height, width)")
+            if not packed:
+                raise TypeError(
+                    "images must be a (batch, channels, height, width) tensor; a list of "
+                    "images of different sizes needs packed=True"
+                )
+            return self._packed_list(images)
+        tokens = self._padded(images)
+        return tokens.pack() if packed else tokens
+
+    def _packed_list(self, images: Sequence[Tensor]) -> Tokens:
+        """One patch sequence per image at its own grid, packed (see :meth:`forward`)."""
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence) or not images:
+            raise TypeError(
+                f"images must be a non-empty list of (channels, height, width) tensors, got "
+                f"{type(images).__name__}"
+            )
+        rows, grids, paddings = [], [], []
+        for i, image in enumerate(images):
+            check_rank(f"images[{i}]", image, (3,), "(channels, height, width)")
+            tokens = self._padded(image[None])
+            rows.append(tokens.x[0])
+            grids.append(tokens.meta["grid"])
+            paddings.append(tokens.meta["padding"])
+        lengths = torch.tensor([r.shape[0] for r in rows], device=rows[0].device)
+        offsets = F.pad(lengths.cumsum(0), (1, 0))
+        meta = {
+            "modality": self.modality,
+            "grids": grids,
+            "paddings": paddings,
+            "patch_size": self.patch_size,
+            "stride": self.stride,
+        }
+        return Tokens.from_packed(torch.cat(rows), offsets, meta)
+
+    def _padded(self, images: Tensor) -> Tokens:
         images, grid, padding = self._prepare(images)
         fused = use_fused_attn() if self.fused is None else self.fused
         x = self.patches_fused(images) if fused else self.patches_unfold(images)

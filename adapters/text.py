@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from adapters._packing import add_positions, packed_from_mask
 from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_bool,
@@ -205,21 +206,79 @@ class TextTokenEmbedder(ModalityAdapter):
         if hasattr(self.position, "reset_parameters"):
             self.position.reset_parameters()
 
-    def forward(self, ids: Tensor) -> Tokens:
-        check_integer_dtype("ids", ids, "token ids")
-        check_rank("ids", ids, (2,), "(batch, length)")
-        if ids.shape[1] > self.max_len:
-            raise ValueError(f"ids has length {ids.shape[1]}, longer than max_len={self.max_len}")
-        check_has_data("ids", ids)
-        check_range("ids", ids, 0, self.vocab_size, "vocab_size")
+    def forward(self, ids: Tensor | Sequence[Sequence[int]], *, packed: bool = False) -> Tokens:
+        """Embed token ids.
+
+        Args:
+            ids: a padded (B, L) id tensor, or (with ``packed=True``) a list of B id
+                sequences (lists or 1-D tensors) of any lengths.
+            packed: return packed Tokens (a jagged (B, l*, D) ``x``, no mask): only the real
+                ids are embedded, each sequence with its own positions 0, 1, ...
+        """
+        if not isinstance(ids, Tensor):
+            if not packed:
+                raise TypeError(
+                    f"ids must be a torch.Tensor, got {type(ids).__name__}; a list of id "
+                    "sequences of different lengths needs packed=True"
+                )
+            values, offsets = _ragged_ids(ids)
+        elif packed:
+            self._check_ids(ids)
+            values, offsets = packed_from_mask(ids, ids != self.pad_id)
+        if packed:
+            return self._packed(values, offsets)
+        self._check_ids(ids)
         ids = ids.to(self.embedding.weight.device)  # moved like every adapter's input
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.long()  # nn.Embedding takes only int32 / int64 indices
         x = self.position(self.embedding(ids))
         return Tokens(x, ids != self.pad_id, {"modality": self.modality})
 
+    def _check_ids(self, ids: Tensor) -> None:
+        check_integer_dtype("ids", ids, "token ids")
+        check_rank("ids", ids, (2,), "(batch, length)")
+        if ids.shape[1] > self.max_len:
+            raise ValueError(f"ids has length {ids.shape[1]}, longer than max_len={self.max_len}")
+        check_has_data("ids", ids)
+        check_range("ids", ids, 0, self.vocab_size, "vocab_size")
+
+    def _packed(self, values: Tensor, offsets: Tensor) -> Tokens:
+        """Embed packed ids (t,) with item boundaries ``offsets`` (B + 1,)."""
+        check_range("ids", values, 0, self.vocab_size, "vocab_size")
+        device = self.embedding.weight.device
+        values, offsets = values.to(device).long(), offsets.to(device)
+        lengths = offsets.diff()
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if longest > self.max_len:
+            raise ValueError(f"ids has length {longest}, longer than max_len={self.max_len}")
+        x = add_positions(self.position, self.embedding(values), offsets)
+        return Tokens.from_packed(x, offsets, {"modality": self.modality})
+
     def extra_repr(self) -> str:
         return (
             f"vocab_size={self.vocab_size}, embed_dim={self.embed_dim}, pad_id={self.pad_id}, "
             f"max_len={self.max_len}, positional={self.positional!r}"
         )
+
+
+def _ragged_ids(sequences: object) -> tuple[Tensor, Tensor]:
+    """A list of id sequences to packed ids (t,) and offsets (B + 1,)."""
+    if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence):
+        raise TypeError(
+            f"ids must be a (batch, length) tensor or a list of id sequences, got "
+            f"{type(sequences).__name__}"
+        )
+    if len(sequences) == 0:
+        raise ValueError("ids must hold at least one sequence, got an empty list")
+    rows = []
+    for i, seq in enumerate(sequences):
+        row = torch.as_tensor(seq)
+        if row.dim() != 1 or (row.numel() and (row.is_floating_point() or row.dtype == torch.bool)):
+            raise TypeError(
+                f"ids[{i}] must be a 1-D sequence of integer ids, got shape {tuple(row.shape)} "
+                f"and dtype {row.dtype}"
+            )
+        rows.append(row.long())
+    lengths = torch.tensor([len(r) for r in rows])
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    return torch.cat(rows), offsets

@@ -30,6 +30,7 @@ EXAMPLES = (
     "audio_dtmf",
     "caption_decoder",
     "graph_sbm",
+    "graph_packed",
     "text_recall",
     "image_digits",
     "custom_adapter",

@@ -24,6 +24,8 @@ from mmattn import _checks as checks
 from mmattn import interop
 from mmattn._helpers import default
 from mmattn._kernel import attend
+from mmattn._packed import is_jagged
+from mmattn._packed_attention import packed_forward
 from mmattn.cache import ContextCache, KVCache, LocalKVCache, check_cache_call
 from mmattn.masks import causal_mask, merge_masks
 from mmattn.rotary import resolve_position
@@ -304,6 +306,14 @@ class MultiHeadAttention(nn.MultiheadAttention):
         With ``cache`` (from :meth:`make_cache`) the call is one decoding step: its keys and
         values are appended to the cache and the queries attend everything cached.
         """
+        if is_jagged(query) or is_jagged(key) or is_jagged(value):  # packed: mmattn/_packed*
+            if cache is not None:
+                raise ValueError("cache= does not take packed (jagged) input; decode padded")
+            key = default(key, query)
+            return packed_forward(
+                self, query, key, default(value, key), key_padding_mask, need_weights,
+                attn_mask, average_attn_weights, is_causal,
+            )
         if isinstance(query, Tensor) and query.is_nested:
             if cache is not None:
                 raise ValueError("cache= does not take nested (jagged) input; decode padded")

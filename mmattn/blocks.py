@@ -23,6 +23,8 @@ from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn._packed import contiguous_parts, jagged
+from mmattn._packed_attention import attend_packed, check_same_layout
 from mmattn.cache import ContextCache
 from mmattn.cross import CrossAttention
 from mmattn.registry import AttentionSpec, build_attention, resolve_attention
@@ -210,6 +212,16 @@ class TransformerBlock(nn.Module):
             parts.append("causal=True")
         return ", ".join(parts)
 
+    def packed_rows(self, values: Tensor, offsets: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """The block on packed rows (t, D) with item ``offsets`` (b + 1,); returns (t, D).
+
+        ``attn_mask`` is already in the shape :func:`block_attn_mask` returns.
+        """
+        kwargs = {"is_causal": True} if self.causal else {}
+        h = self.norm1(values)
+        values = values + attend_packed(self.attn, h, offsets, attn_mask=attn_mask, **kwargs)
+        return values + self.mlp(self.norm2(values))
+
     def forward(
         self, tokens: Tokens, attn_mask: Tensor | None = None, *, cache: Any = None
     ) -> Tokens:
@@ -222,6 +234,11 @@ class TransformerBlock(nn.Module):
         attn_mask = block_attn_mask(
             attn_mask, tokens.batch_size, self.num_heads, tokens.length, tokens.length
         )
+        if tokens.is_packed:  # norms and MLP on the (t, d) values; attention per item
+            if cache is not None:
+                raise ValueError("cache= does not take packed Tokens; decode padded Tokens")
+            values, offsets = contiguous_parts(tokens.x)
+            return tokens.replace(jagged(self.packed_rows(values, offsets, attn_mask), offsets))
         x = tokens.zero_padding()
         h = self.norm1(x)
         kwargs = {"is_causal": True} if self.causal else {}
@@ -325,6 +342,7 @@ class CrossAttentionBlock(nn.Module):
         param = checks.first_param(self)
         check_tokens("query", query, self.embed_dim, like=param)
         check_tokens("context", context, self.kdim, "kdim", like=param)
+        check_same_layout("query", query, "context", context)
         if query.batch_size != context.batch_size:
             raise ValueError(
                 f"query and context must have the same batch size, got {query.batch_size} "
@@ -333,6 +351,17 @@ class CrossAttentionBlock(nn.Module):
         attn_mask = block_attn_mask(
             attn_mask, query.batch_size, self.num_heads, query.length, context.length
         )
+        if query.is_packed:
+            if cache is not None:
+                raise ValueError("cache= does not take packed Tokens; decode padded Tokens")
+            values, offsets = contiguous_parts(query.x)
+            c_values, c_offsets = contiguous_parts(context.x)
+            values = values + attend_packed(
+                self.attn, self.norm_query(values), offsets,
+                (self.norm_context(c_values), c_offsets), attn_mask=attn_mask,
+            )
+            values = values + self.mlp(self.norm2(values))
+            return query.replace(jagged(values, offsets))
         x = query.zero_padding()
         c = self.norm_context(context.zero_padding())
         kwargs = {} if cache is None else {"cache": cache}
@@ -420,6 +449,15 @@ class Encoder(nn.Module):
     def forward(self, tokens: Tokens, attn_mask: Tensor | None = None) -> Tokens:
         """Run every block, then the final norm; see the class docstring."""
         check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
+        if tokens.is_packed:  # unwrap once: every block works on the packed rows
+            values, offsets = contiguous_parts(tokens.x)
+            attn_mask = block_attn_mask(
+                attn_mask, tokens.batch_size, self.blocks[0].num_heads, tokens.length,
+                tokens.length,
+            )
+            for block in self.blocks:
+                values = block.packed_rows(values, offsets, attn_mask)
+            return tokens.replace(jagged(self.norm(values), offsets))
         for block in self.blocks:
             tokens = block(tokens, attn_mask)
         return tokens.replace(tokens.zero_padding(self.norm(tokens.x)))

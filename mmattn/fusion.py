@@ -26,6 +26,7 @@ from einops import repeat
 from torch import nn
 
 from mmattn import _checks as checks
+from mmattn._packed_attention import map_packed
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
 from mmattn.registry import AttentionSpec
 from mmattn.tokens import RESERVED_NAMES, Tokens
@@ -227,12 +228,17 @@ class MultiModalEncoder(nn.Module):
                 )
             embedding = self.modality_embedding[name]
             checks.check_matches_params(f"adapters[{name!r}]'s output", tokens.x, embedding)
-            parts[name] = tokens.replace(tokens.x + embedding)
+            if tokens.is_packed:
+                parts[name] = map_packed(tokens, lambda values, e=embedding: values + e)
+            else:
+                parts[name] = tokens.replace(tokens.x + embedding)
         sizes = {name: t.batch_size for name, t in parts.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"inputs must share one batch size, got {sizes}")
         fused = Tokens.cat(parts)
         fused.meta["modalities"] = list(parts)
+        if fused.is_packed:
+            return fused
         return fused.replace(fused.zero_padding())
 
     def forward(self, inputs: Mapping[str, Any]) -> Tokens:
@@ -241,9 +247,13 @@ class MultiModalEncoder(nn.Module):
         if self.fusion == "concat":
             return self.encoder(fused).replace(fusion="concat")
         latents = Tokens(repeat(self.latents, "n d -> b n d", b=fused.batch_size))
+        if fused.is_packed:  # packed in, packed out: every item has num_latents latents
+            latents = latents.pack()
         for cross, block in zip(self.cross_blocks, self.self_blocks):
             latents = block(cross(latents, fused))
         meta = {**fused.meta, "fusion": "latent", "context": fused}
+        if latents.is_packed:
+            return map_packed(latents, self.norm).replace(**meta)
         return Tokens(self.norm(latents.x), None, meta)
 
 

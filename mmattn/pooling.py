@@ -8,6 +8,8 @@ Axis key: ``b`` batch, ``l`` sequence length, ``d`` model width.
 
 A sequence with no real token (all padding, or length 0) pools to a zero vector, never NaN;
 padded positions never influence the result, whatever they hold (NaN and Inf included).
+Packed Tokens (a jagged ``x``) pool per item with segment reductions over the (t, d) values,
+no padding built.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn._packed import contiguous_parts, jagged, owners
 from mmattn.cross import CrossAttention
 from mmattn.tokens import Tokens, check_tokens
 
@@ -43,6 +46,11 @@ def masked_mean(tokens: Tokens) -> Tensor:
         [[2.0]]
     """
     check_tokens("tokens", tokens)
+    if tokens.is_packed:
+        values, offsets = contiguous_parts(tokens.x)
+        owner = owners(offsets, values.shape[0])
+        sums = values.new_zeros(offsets.shape[0] - 1, values.shape[1]).index_add(0, owner, values)
+        return sums / offsets.diff().clamp_min(1)[:, None].to(values.dtype)
     if tokens.mask is None:
         return tokens.x.sum(dim=1) / max(tokens.length, 1)
     count = tokens.mask.sum(dim=1, keepdim=True).clamp_min(1).to(tokens.dtype)  # (b, 1)
@@ -65,6 +73,11 @@ def masked_max(tokens: Tokens) -> Tensor:
         [[3.0]]
     """
     check_tokens("tokens", tokens)
+    if tokens.is_packed:
+        values, offsets = contiguous_parts(tokens.x)
+        owner = owners(offsets, values.shape[0])[:, None].expand_as(values)
+        out = values.new_zeros(offsets.shape[0] - 1, values.shape[1])
+        return out.scatter_reduce(0, owner, values, "amax", include_self=False)
     if tokens.length == 0:
         return tokens.x.new_zeros(tokens.batch_size, tokens.dim)
     if tokens.mask is None:
@@ -106,6 +119,12 @@ class MaskedPool(nn.Module):
         if self.mode == "max":
             return masked_max(tokens)
         check_tokens("tokens", tokens)
+        if tokens.is_packed:  # the first token of each item; zeros for an empty item
+            values, offsets = contiguous_parts(tokens.x)
+            if values.shape[0] == 0:
+                return values.new_zeros(offsets.shape[0] - 1, values.shape[1])
+            first = values[offsets[:-1].clamp(max=values.shape[0] - 1)]
+            return torch.where((offsets.diff() > 0)[:, None], first, 0.0)
         if tokens.length == 0:
             return tokens.x.new_zeros(tokens.batch_size, tokens.dim)
         return tokens.zero_padding()[:, 0]
@@ -157,6 +176,12 @@ class AttentionPool(nn.Module):
 
     def forward(self, tokens: Tokens) -> Tensor:
         check_tokens("tokens", tokens, self.embed_dim, like=self.query)
+        if tokens.is_packed:  # one query per item, as a packed batch of length-1 items
+            batch = tokens.batch_size
+            offsets = torch.arange(batch + 1, device=tokens.device)
+            query = jagged(repeat(self.query, "1 1 d -> b d", b=batch), offsets)
+            out, _ = self.attn(query, tokens.x, tokens.x)
+            return out.values()
         query = repeat(self.query, "1 1 d -> b 1 d", b=tokens.batch_size)
         x = tokens.zero_padding()
         out, _ = self.attn(query, x, x, key_padding_mask=tokens.key_padding_mask)

@@ -6,6 +6,11 @@ A batch of token sequences ``x`` of shape (b, l, d) travels with a boolean ``mas
 (b, l) where **True marks a real token** (the direction of
 ``torch.nn.functional.scaled_dot_product_attention``). ``key_padding_mask`` gives the opposite
 direction that ``torch.nn.MultiheadAttention`` and our attention modules take.
+
+A *packed* batch instead holds a jagged ``torch.nested`` tensor ``x`` of shape (b, l*, d)
+(``values()`` (t, d) and ``offsets()`` (b + 1,)) and no mask: every stored token is real.
+:meth:`Tokens.pack`, :meth:`Tokens.unpack` and :meth:`Tokens.from_packed` convert (see
+docs/packed.md).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmattn import _packed
 from mmattn._checks import (
     check_matches_params,
     check_meta,
@@ -59,8 +65,11 @@ class Tokens:
     __slots__ = ("x", "mask", "meta")
 
     def __init__(self, x: Tensor, mask: Tensor | None = None, meta: dict | None = None) -> None:
-        check_rank("Tokens.x", x, (3,), "(batch, length, dim)")
-        if not x.is_floating_point():
+        if _packed.is_jagged(x):
+            _check_packed_x(x, mask)
+        else:
+            check_rank("Tokens.x", x, (3,), "(batch, length, dim)")
+        if not x.dtype.is_floating_point:
             raise TypeError(f"Tokens.x must have a floating-point dtype, got {x.dtype}")
         if mask is not None:
             check_tensor("Tokens.mask", mask)
@@ -79,7 +88,16 @@ class Tokens:
         return self.x.shape[0]
 
     @property
+    def is_packed(self) -> bool:
+        """True when ``x`` is a jagged nested tensor (b, l*, d) without padding."""
+        return _packed.is_jagged(self.x)
+
+    @property
     def length(self) -> int:
+        """The padded length L; for packed tokens the longest sequence."""
+        if self.is_packed:
+            lengths = self.lengths
+            return int(lengths.max()) if lengths.numel() else 0
         return self.x.shape[1]
 
     @property
@@ -102,12 +120,16 @@ class Tokens:
     @property
     def lengths(self) -> Tensor:
         """(B,) long: the number of real tokens of each sequence."""
+        if self.is_packed:
+            return self.x.offsets().diff()
         if self.mask is None:
             return torch.full((self.batch_size,), self.length, dtype=torch.long, device=self.device)
         return self.mask.sum(dim=1)
 
     def full_mask(self) -> Tensor:
-        """(B, L) bool mask, all True when ``mask`` is None."""
+        """(B, L) bool mask, all True when ``mask`` is None (for packed tokens: unpack's)."""
+        if self.is_packed:
+            return self.unpack().mask
         if self.mask is None:
             return torch.ones(self.x.shape[:2], dtype=torch.bool, device=self.device)
         return self.mask
@@ -135,17 +157,98 @@ class Tokens:
         mask = None if self.mask is None else self.mask.to(device=x.device)
         return Tokens(x, mask, self.meta)
 
+    def pack(self) -> Tokens:
+        """The real tokens as a packed batch (itself when already packed).
+
+        Each sequence keeps its real tokens in order; padding is dropped, wherever it sits.
+
+        Shape:
+            - returns: Tokens with x (B, l*, D) jagged, ``lengths`` as before, mask None
+
+        Examples:
+            >>> t = Tokens(torch.randn(2, 3, 4), torch.tensor([[1, 1, 0], [1, 1, 1]]).bool())
+            >>> p = t.pack()
+            >>> p.is_packed, p.x.values().shape, p.lengths.tolist()
+            (True, torch.Size([5, 4]), [2, 3])
+        """
+        if self.is_packed:
+            return self
+        batch, length, dim = self.x.shape
+        if self.mask is None:
+            values = self.x.reshape(batch * length, dim)
+            lengths = torch.full((batch,), length, dtype=torch.long, device=self.device)
+        else:
+            values = self.x[self.mask]
+            lengths = self.mask.sum(dim=1)
+        offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        return Tokens(_packed.jagged(values, offsets), None, self.meta)
+
+    def unpack(self) -> Tokens:
+        """A padded batch (zeros at padding, left-aligned) with its mask; itself if padded.
+
+        Shape:
+            - returns: Tokens with x (B, max lᵢ, D) and mask (B, max lᵢ)
+        """
+        if not self.is_packed:
+            return self
+        values, offsets = _packed.contiguous_parts(self.x)
+        x, mask = _packed.pad_values(values, offsets)
+        return Tokens(x, mask, self.meta)
+
+    @staticmethod
+    def from_packed(values: Tensor, offsets: Tensor, meta: dict | None = None) -> Tokens:
+        """Packed Tokens viewing ``values`` (zero-copy), e.g. PyG's ``x`` and ``ptr``.
+
+        Args:
+            values: the tokens of every sequence, back to back.
+            offsets: where each sequence starts, then the total: ``offsets[0] == 0``,
+                non-decreasing (an empty sequence repeats its offset), ``offsets[-1] == t``.
+            meta: adapter facts.
+
+        Shape:
+            - values: (t, D); offsets: (B + 1,) integer
+            - returns: Tokens with x (B, l*, D) jagged whose ``values()`` is ``values``
+
+        Raises:
+            TypeError: ``values`` is not floating or ``offsets`` not an integer tensor.
+            ValueError: wrong ranks, offsets not starting at 0, decreasing, or not ending
+                at ``values.shape[0]``; devices differ.
+
+        Examples:
+            >>> t = Tokens.from_packed(torch.randn(5, 8), torch.tensor([0, 2, 2, 5]))
+            >>> t.is_packed, t.lengths.tolist()
+            (True, [2, 0, 3])
+        """
+        check_rank("values", values, (2,), "(total_tokens, dim)")
+        check_rank("offsets", offsets, (1,), "(batch + 1,)")
+        if offsets.is_floating_point() or offsets.dtype == torch.bool:
+            raise TypeError(f"offsets must have an integer dtype, got {offsets.dtype}")
+        check_same_device("offsets", offsets, "values", values)
+        if offsets.numel() == 0:
+            raise ValueError("offsets must hold at least one entry (0), got an empty tensor")
+        steps = offsets.diff()
+        first, last = int(offsets[0]), int(offsets[-1])
+        if first != 0 or last != values.shape[0] or bool((steps < 0).any()):
+            raise ValueError(
+                f"offsets must start at 0, be non-decreasing and end at values.shape[0]="
+                f"{values.shape[0]}, got {offsets.tolist()}"
+            )
+        return Tokens(_packed.jagged(values, offsets.long()), None, meta)
+
     @staticmethod
     def cat(parts: Sequence[Tokens] | Mapping[str, Tokens]) -> Tokens:
         """Concatenate along the length axis, masks and all.
 
         Given a mapping ``{name: Tokens}``, the result's ``meta["spans"][name]`` is the
-        ``(start, stop)`` slice of that part and ``meta[name]`` its own meta.
+        ``(start, stop)`` slice of that part and ``meta[name]`` its own meta. Packed parts
+        are concatenated per sequence (sequence m of the result is sequence m of every part,
+        with no padding in between); their spans are (B,) tensors of starts and stops inside
+        each sequence.
 
         Raises:
             TypeError: ``parts`` is not a sequence or mapping of Tokens (a single Tokens
                 must be wrapped: ``Tokens.cat([t])``); parts disagree on dtype (nothing is
-                promoted silently: cast them first).
+                promoted silently: cast them first); packed and padded parts are mixed.
             ValueError: no parts; parts disagree on batch size, width or device; a part is
                 named ``"spans"``.
         """
@@ -180,6 +283,22 @@ class Tokens:
                     f"expected {first.batch_size, first.dim}"
                 )
             check_same_device(f"Tokens.cat part {key!r}", part.x, "the first part", first.x)
+        packed = [key for key, part in items if part.is_packed]
+        if packed and len(packed) < len(items):
+            padded = [key for key, part in items if not part.is_packed]
+            raise TypeError(
+                f"Tokens.cat parts {packed!r} are packed but parts {padded!r} are padded; "
+                "pack() or unpack() them all first"
+            )
+        if packed:
+            values, offsets, bounds = _packed.cat_values(
+                [_packed.contiguous_parts(part.x) for _, part in items]
+            )
+            meta = {}
+            if named:
+                meta = {name: part.meta for name, part in items}
+                meta["spans"] = {name: b for (name, _), b in zip(items, bounds)}
+            return Tokens(_packed.jagged(values, offsets), None, meta)
         x = torch.cat([p.x for _, p in items], dim=1)
         mask = None
         if any(p.mask is not None for _, p in items):
@@ -195,6 +314,12 @@ class Tokens:
         return Tokens(x, mask, meta)
 
     def __repr__(self) -> str:
+        if self.is_packed:
+            return (
+                f"Tokens(x=packed({self.batch_size}, l*, {self.dim}), dtype={self.dtype}, "
+                f"device={self.device}, lengths={self.lengths.tolist()}, "
+                f"meta_keys={sorted(self.meta)})"
+            )
         mask = "None" if self.mask is None else f"lengths={self.lengths.tolist()}"
         keys = sorted(self.meta)
         return (
@@ -226,3 +351,16 @@ def check_tokens(
         )
     check_matches_params(name, value.x, like)
     return value
+
+
+def _check_packed_x(x: Tensor, mask: Tensor | None) -> None:
+    """A packed Tokens.x: (batch, length*, dim) jagged, ragged on the length, no mask."""
+    if x.dim() != 3 or x._ragged_idx != 1:
+        raise ValueError(
+            f"Tokens.x must be a (batch, length*, dim) jagged tensor ragged on the length, got "
+            f"shape {tuple(x.shape)}"
+        )
+    if mask is not None:
+        raise ValueError(
+            "Tokens.mask must be None when x is packed (jagged): every stored token is real"
+        )

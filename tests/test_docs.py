@@ -32,6 +32,7 @@ PAGES = [
     "adapters/index.md",
     "variants.md#writing-your-own-attention-variant",
     "decoding.md",
+    "packed.md",
 ]
 NEEDS = {
     "adapters/audio.md": "torchaudio",

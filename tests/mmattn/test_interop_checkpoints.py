@@ -119,6 +119,9 @@ def test_nested_input_equals_each_sample_alone(layout, device):
     for b, (q, k) in enumerate(zip(q_parts, k_parts)):
         ref_out, ref_w = mha(q, k, need_weights=True)
         torch.testing.assert_close(outs[b], ref_out, atol=1e-5, rtol=0)
+        if layout == torch.jagged:  # packed input: one (L_b, S_b) map per item (packed.md)
+            torch.testing.assert_close(weights[b], ref_w)
+            continue
         torch.testing.assert_close(weights[b, : q.shape[0], : k.shape[0]], ref_w)
         assert not weights[b, q.shape[0]:].any() and not weights[b, :, k.shape[0]:].any()
     sum(o.sum() for o in outs).backward()
