@@ -20,6 +20,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _kernel
+from mmattn._blocked import default_block_size
 from mmattn._packed import (
     Bucket,
     contiguous_parts,
@@ -110,7 +111,7 @@ def attend_values(
     e = module.head_dim
     dropout_p = module.dropout if module.training else 0.0
     extra = _num_extra(module)
-    plain = type(module)._attention is _base_attention()
+    plain = _plain_hook(module)
     # A position module on q and k after the head split (``position(x, offset)``, x (b, h, l,
     # e)), where an attention class has one: per bucket each item starts at position 0.
     position = getattr(module, "position", None)
@@ -208,16 +209,29 @@ def attend_values(
     return out, maps
 
 
-def _base_class():
-    from mmattn.attention import MultiHeadAttention
+def _defining_class(module: nn.Module, name: str) -> type | None:
+    """The class in ``module``'s MRO that defines ``name`` (no import of the attention
+    module here: it imports this one)."""
+    for cls in type(module).__mro__:
+        if name in vars(cls):
+            return cls
+    return None
 
-    return MultiHeadAttention
+
+def _is_base(cls: type | None) -> bool:
+    return cls is not None and (cls.__module__, cls.__qualname__) == (
+        "mmattn.attention", "MultiHeadAttention"
+    )
 
 
-def _base_attention():
-    from mmattn.attention import MultiHeadAttention
+def _plain_hook(module: nn.Module) -> bool:
+    """True when the module keeps ``MultiHeadAttention``'s own ``_attention`` (plain SDPA)."""
+    return _is_base(_defining_class(module, "_attention"))
 
-    return MultiHeadAttention._attention
+
+def _is_attention(module: nn.Module) -> bool:
+    """True for a :class:`mmattn.MultiHeadAttention` or any subclass (any variant)."""
+    return any(_is_base(cls) for cls in type(module).__mro__)
 
 
 def _cost_key(module: nn.Module) -> tuple:
@@ -225,8 +239,6 @@ def _cost_key(module: nn.Module) -> tuple:
     window = getattr(module, "window_size", None)
     if window is None:
         return ()
-    from mmattn._blocked import default_block_size
-
     block = module.block_size or default_block_size(window)
     return (window, block, module.num_global_tokens)
 
@@ -337,7 +349,7 @@ def attend_packed(
     wrapping them in jagged tensors and back costs more than a small attention call. Any
     other module gets jagged tensors.
     """
-    if isinstance(attn, _base_class()):
+    if _is_attention(attn):
         kv, k_off = (values, offsets) if context is None else context
         out, _ = attend_values(
             attn, values, offsets, kv, k_off, kv, self_attention=context is None, **kwargs

@@ -88,6 +88,9 @@ MODULES = {
     "linformer": lambda: LinformerAttention(E, H, seq_len=40, proj_len=6),
     "mha-bias-kv-zero-attn": lambda: MultiHeadAttention(E, H, add_bias_kv=True,
                                                         add_zero_attn=True),
+    "mha-gqa-rotary": lambda: MultiHeadAttention(E, H, num_kv_heads=2, position="rotary"),
+    "local-gqa-rotary": lambda: LocalAttention(E, H, window_size=3, num_kv_heads=1,
+                                               position="rotary"),
 }
 
 
@@ -282,8 +285,11 @@ def tokens_pair(lens=LENS, dim=E):
         lambda: TransformerBlock(E, H, attention="local", window_size=2),
         lambda: Encoder(E, 2, H),
         lambda: Encoder(E, 2, H, attention="local", window_size=4, causal=True),
+        lambda: TransformerBlock(E, H, attention="additive"),
+        lambda: Encoder(E, 1, H, attention="full", attention_kwargs={"num_kv_heads": 2}),
     ],
-    ids=["block", "block-causal", "block-local", "encoder", "encoder-local-causal"],
+    ids=["block", "block-causal", "block-local", "encoder", "encoder-local-causal",
+         "block-additive", "encoder-gqa"],
 )
 def test_blocks_packed_equal_padded(make):
     module = make()
