@@ -411,6 +411,10 @@ def test_explain_names_the_packed_path():
     from mmattn.debug import explain
 
     nt = Tokens.from_packed(torch.randn(9, E), torch.tensor([0, 2, 2, 9])).x
-    assert [call.path for call in explain(MultiHeadAttention(E, H), nt)] == ["packed"]
+    with fused_attn(True):  # plain SDPA per bucket: one record for the packed call
+        assert [call.path for call in explain(MultiHeadAttention(E, H), nt)] == ["packed"]
+    with fused_attn(False):  # the module's kernel per bucket: each bucket reports too
+        calls = explain(MultiHeadAttention(E, H), nt)
+        assert calls[0].path == "packed" and {c.path for c in calls[1:]} == {"explicit"}
     calls = explain(LocalAttention(E, H, window_size=2), nt)
     assert calls[0].path == "packed" and {c.path for c in calls[1:]} == {"local"}
