@@ -120,14 +120,20 @@ def attend_values(
     facts = {"q_lengths": q_lens, "k_lengths": k_lens, "is_causal": is_causal}
 
     jagged_ok = direct and attn_mask is None and position is None and qv.is_cuda
+    jagged_ok = jagged_ok and getattr(module, "num_kv_heads", module.num_heads) == module.num_heads
+    fallback = []
     if jagged_ok and min(q_lens + k_lens, default=0) > 0 and (not is_causal or q_lens == k_lens):
-        report("jagged-sdpa", [], **facts)
         q, k, v = (
             rearrange(proj(t), "t (h e) -> t h e", e=e)
             for proj, t in ((module.q_proj, qv), (module.k_proj, kv), (module.v_proj, vv))
         )
-        out = jagged_sdpa(q, k, v, q_off, k_off, dropout_p=dropout_p, is_causal=is_causal)
-        return module.out_proj(rearrange(out, "t h e -> t (h e)")), None
+        try:
+            out = jagged_sdpa(q, k, v, q_off, k_off, dropout_p=dropout_p, is_causal=is_causal)
+        except (RuntimeError, NotImplementedError, ValueError) as error:  # no kernel fits
+            fallback = [f"torch's jagged SDPA refused these inputs: {error}"]
+        else:
+            report("jagged-sdpa", [], **facts)
+            return module.out_proj(rearrange(out, "t h e -> t (h e)")), None
 
     plan_k = [length + extra for length in k_lens]
     plan_of = layout(
@@ -136,7 +142,9 @@ def attend_values(
     )
     buckets = plan_of.buckets
     if _kernel.reporting():
-        reasons = [] if direct else ["the module's own attention kernel runs per bucket"]
+        reasons = fallback + (
+            [] if direct else ["the module's own attention kernel runs per bucket"]
+        )
         sizes = [(len(b.items), b.q_len, b.k_len) for b in buckets]
         report("buckets" if direct else "buckets-module", reasons, buckets=sizes, **facts)
 
