@@ -21,7 +21,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from mmattn._checks import check_last_dim, check_positive_int
+from mmattn._checks import (
+    check_floating,
+    check_index,
+    check_last_dim,
+    check_positive_int,
+    check_same_device,
+)
 
 __all__ = ["RotaryEmbedding", "apply_rotary", "resolve_position", "rotary_cos_sin"]
 
@@ -39,16 +45,22 @@ def _check_base(base: object) -> float:
     return float(base)
 
 
-def _check_offset(offset: object) -> int | Tensor:
-    """An int >= 0, or a 0-D integer tensor (its value is not read, so compile stays quiet)."""
+def _check_offset(
+    offset: object, device: torch.device | str | None
+) -> tuple[int | Tensor, torch.device | str | None]:
+    """An int >= 0, or a 0-D integer tensor (its value is not read, so compile stays quiet),
+    and the device to build on: a tensor offset's own when none is given. A 0-D CPU tensor
+    goes with any device (as in torch); one on another device raises ValueError."""
+    offset = check_index("offset", offset)
     if isinstance(offset, Tensor):
-        if offset.dim() != 0 or offset.is_floating_point() or offset.dtype == torch.bool:
-            raise TypeError(
-                f"offset must be an int or a 0-D integer tensor, got a tensor of shape "
-                f"{tuple(offset.shape)} and dtype {offset.dtype}"
+        if device is None:
+            return offset, offset.device
+        if offset.device.type != "cpu" and offset.device != torch.device(device):
+            raise ValueError(
+                f"offset is on device {offset.device} but the positions are built on "
+                f"{torch.device(device)}; move the offset (or pass an int)"
             )
-        return offset
-    return check_positive_int("offset", offset, minimum=0)
+    return offset, device
 
 
 def rotary_cos_sin(
@@ -66,11 +78,12 @@ def rotary_cos_sin(
     and ``i + e/2``.
 
     Args:
-        length: number of positions.
+        length: number of positions (0 gives empty tables).
         dim: rotated width ``e`` (even), usually the head width.
         base: the wavelength base (> 0, != 1).
-        offset: first position: an int >= 0 or a 0-D integer tensor.
-        device: where to build them.
+        offset: first position: an int >= 0 or a 0-D integer tensor (on ``device``, or a
+            CPU tensor).
+        device: where to build them (default: the tensor offset's device, else torch's).
         dtype: dtype of the result.
 
     Shape:
@@ -79,20 +92,19 @@ def rotary_cos_sin(
     Raises:
         TypeError: ``length``, ``dim`` or ``offset`` is not an int (or ``offset`` not a 0-D
             integer tensor); ``base`` is not a number.
-        ValueError: ``dim`` is odd; ``length`` < 1; ``offset`` < 0; ``base`` <= 0 or 1.
+        ValueError: ``dim`` is odd; ``length`` < 0; ``offset`` < 0 or a tensor on another
+            device; ``base`` <= 0 or 1.
 
     Examples:
         >>> cos, sin = rotary_cos_sin(5, 8)
         >>> cos.shape, sin.shape
         (torch.Size([5, 8]), torch.Size([5, 8]))
     """
-    check_positive_int("length", length)
+    check_positive_int("length", length, minimum=0)
     check_positive_int("dim", dim)
     _check_even("dim", dim)
     base = _check_base(base)
-    offset = _check_offset(offset)
-    if isinstance(offset, Tensor):
-        device = offset.device if device is None else device
+    offset, device = _check_offset(offset, device)
     pos = torch.arange(length, device=device, dtype=torch.float32) + offset
     inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
     angles = torch.outer(pos, inv_freq)
@@ -124,10 +136,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         - cos, sin: (L, e)
         - Output: same as ``x``
 
+    ``cos``/``sin`` are cast to ``x``'s dtype (fp32 tables rotate fp16 queries).
+
     Raises:
-        TypeError: ``x``, ``cos`` or ``sin`` is not a tensor.
+        TypeError: ``x``, ``cos`` or ``sin`` is not a floating-point tensor.
         ValueError: ``x`` has fewer than 2 dims or an odd last dim; ``cos``/``sin`` do not
-            have shape (L, e).
+            have shape (L, e) or are on another device than ``x``.
 
     Examples:
         >>> cos, sin = rotary_cos_sin(5, 8)
@@ -137,6 +151,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     for name, value in (("x", x), ("cos", cos), ("sin", sin)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        check_floating(name, value)
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims (..., L, e), got shape {tuple(x.shape)}")
     _check_even("x.shape[-1]", x.shape[-1])
@@ -144,6 +159,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     for name, table in (("cos", cos), ("sin", sin)):
         if tuple(table.shape) != want:
             raise ValueError(f"{name} must have shape (L, e)={want}, got {tuple(table.shape)}")
+        check_same_device(name, table, "x", x)
     return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
 
@@ -165,7 +181,8 @@ class RotaryEmbedding(nn.Module):
 
     Raises:
         TypeError / ValueError: ``dim`` not a positive even int; bad ``base``; in
-            ``forward``: ``x`` not (..., L, dim); bad ``offset``.
+            ``forward``: ``x`` not a floating (..., L, dim) tensor; bad ``offset`` (or one
+            on another device than ``x``, a CPU tensor aside).
 
     Examples:
         >>> rope = RotaryEmbedding(8)
@@ -186,11 +203,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        check_floating("x", x)
         if x.dim() < 2:
             raise ValueError(f"x must have at least 2 dims (..., L, dim), got {tuple(x.shape)}")
         check_last_dim("x", x, self.dim, "dim")
-        if x.shape[-2] == 0:
-            return x
         cos, sin = rotary_cos_sin(
             x.shape[-2], self.dim, base=self.base, offset=offset, device=x.device, dtype=x.dtype
         )
