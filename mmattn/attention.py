@@ -110,6 +110,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
     #: Why :meth:`to_torch` does not apply to a variant (None: it does). Every class takes
     #: over an ``nn.MultiheadAttention``'s weights with :meth:`from_torch`.
     no_torch_twin: ClassVar[str | None] = None
+    #: The caches ``forward(..., cache=)`` takes: what :meth:`make_cache` makes, and the
+    #: projected context of cross-attention.
+    cache_kinds: ClassVar[tuple[type, ...]] = (KVCache, ContextCache)
 
     @property
     def q_proj_weight(self) -> Tensor:
@@ -413,6 +416,7 @@ class MultiHeadAttention(nn.MultiheadAttention):
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         """One decoding step: new keys at ``offset = len(cache)``, then attend the cache."""
+        cache.check_batch("query", q.shape[0])
         if isinstance(cache, ContextCache):
             k = v = mask = None
             if not cache.filled:
@@ -487,7 +491,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
         """Raise unless ``cache`` can serve this call (sizes and dtype are checked later)."""
         self._check_cacheable()
         check_cache_call(
-            type(self).__name__, cache, batched=batched, key_padding_mask=key_padding_mask,
+            type(self).__name__, cache, kinds=self.cache_kinds, device=self.q_proj.weight.device,
+            window_size=getattr(self, "window_size", None), batched=batched,
+            key_padding_mask=key_padding_mask,
             attn_mask=attn_mask, causal=is_causal or getattr(self, "causal", False),
             position=self.position,
         )

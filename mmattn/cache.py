@@ -56,7 +56,8 @@ class _Cache:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.batch_size = checks.check_positive_int("batch_size", batch_size)
+        # batch 0 is an empty batch (docs/edge_cases.md): decoding it gives empty results
+        self.batch_size = checks.check_positive_int("batch_size", batch_size, minimum=0)
         self.max_len = checks.check_positive_int("max_len", max_len)
         self.num_kv_heads = checks.check_positive_int("num_kv_heads", num_kv_heads)
         self.head_dim = checks.check_positive_int("head_dim", head_dim)
@@ -89,6 +90,15 @@ class _Cache:
     def reset(self) -> None:
         """Forget every token (buffers keep their memory)."""
         self.size.zero_()
+
+    def check_batch(self, name: str, batch_size: int) -> None:
+        """Raise ValueError unless a call's ``name`` has the batch size the cache was made for
+        (a filled :class:`ContextCache` would otherwise broadcast one query over its batch)."""
+        if batch_size != self.batch_size:
+            raise ValueError(
+                f"cache was made for batch_size={self.batch_size}, got {name} with batch size "
+                f"{batch_size}"
+            )
 
     def check_step(self, name: str, k: Tensor, v: Tensor) -> None:
         """Raise ValueError unless ``k``/``v`` fit this cache (batch, heads, widths, dtype)."""
@@ -354,6 +364,9 @@ def check_cache_call(
     owner: str,
     cache: object,
     *,
+    kinds: tuple[type, ...],
+    device: torch.device,
+    window_size: int | None = None,
     batched: bool,
     key_padding_mask: Tensor | None,
     attn_mask: Tensor | None,
@@ -362,15 +375,36 @@ def check_cache_call(
 ) -> None:
     """Raise unless ``cache`` can serve an attention call (sizes and dtype: in ``update``).
 
+    Args:
+        owner: the module's class name, for the messages.
+        cache: what the call got as ``cache=``.
+        kinds: the cache classes the module decodes with (another kind would attend the
+            wrong keys: a ring cache in full attention, a full cache in local attention).
+        device: the module's parameters' device.
+        window_size: the module's window (a :class:`LocalKVCache` must have the same).
+
     Raises:
-        TypeError: ``cache`` is not one of the caches here.
-        ValueError: unbatched input; an ``attn_mask``; a ``key_padding_mask`` or no causal
-            rule with a self-attention cache; ``is_causal`` or ``position`` with a
+        TypeError: ``cache`` is not one of ``kinds``.
+        ValueError: the cache is on another device or (a ring cache) for another window;
+            unbatched input; an ``attn_mask``; a ``key_padding_mask`` or no causal rule with
+            a self-attention cache; ``is_causal`` or ``position`` with a
             :class:`ContextCache`.
     """
-    if not isinstance(cache, _Cache):
+    if not isinstance(cache, kinds):
+        names = " or ".join(kind.__name__ for kind in kinds)
         raise TypeError(
-            f"cache must come from {owner}.make_cache(...), got {type(cache).__name__}"
+            f"cache must come from {owner}.make_cache(...) (a {names}), got "
+            f"{type(cache).__name__}"
+        )
+    if cache.device != device:
+        raise ValueError(
+            f"cache is on device {cache.device} but {owner}'s parameters are on {device}; "
+            f"make it with make_cache(..., device={str(device)!r})"
+        )
+    if isinstance(cache, LocalKVCache) and cache.window_size != window_size:
+        raise ValueError(
+            f"cache was made for window_size={cache.window_size}, but this {owner} has "
+            f"window_size={window_size}"
         )
     if not batched:
         raise ValueError("cache= needs batched input (batch, length, embed_dim)")

@@ -41,6 +41,9 @@ class CrossAttention(MultiHeadAttention):
         torch.Size([2, 7, 32])
     """
 
+    #: Only the projected context: a self-attention cache would take context keys as steps.
+    cache_kinds = (ContextCache,)
+
     def __init__(
         self,
         embed_dim: int,

@@ -120,6 +120,8 @@ class LocalAttention(MultiHeadAttention):
         "local.state_dict()) with ~masks.band_mask(L, window_size) as attn_mask computes the "
         "same, and its to_torch() works"
     )
+    #: Only the ring cache of the module's window: a full cache would attend outside it.
+    cache_kinds = (LocalKVCache,)
 
     def __init__(
         self,

@@ -132,7 +132,7 @@ def test_full_cache_names_the_sizes():
 def test_cache_for_another_batch_or_dtype_raises():
     module = MultiHeadAttention(D, H)
     cache = module.make_cache(4, max_len=8)
-    with pytest.raises(ValueError, match=r"batch_size=4 .* got keys with batch size 2"):
+    with pytest.raises(ValueError, match=r"batch_size=4, got query with batch size 2"):
         module(torch.randn(2, 1, D), is_causal=True, cache=cache)
     half = module.make_cache(2, max_len=8, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"made for dtype torch.float64, got keys of dtype "
@@ -167,6 +167,44 @@ def test_cache_call_errors():
         LocalAttention(D, H, 2, num_global_tokens=1).make_cache(B, 8)
     with pytest.raises(ValueError, match="add_bias_kv or add_zero_attn has no cache"):
         MultiHeadAttention(D, H, add_bias_kv=True).make_cache(B, 8)
+
+
+def test_cache_of_another_kind_window_or_device_raises():
+    """A cache the module did not make would attend the wrong keys: refused by name."""
+    full, local = MultiHeadAttention(D, H), LocalAttention(D, H, 2)
+    cross = CrossAttention(D, H)
+    x = torch.randn(B, 1, D)
+    for module, cache, kind in ((full, local.make_cache(B, 8), "KVCache or ContextCache"),
+                                (local, full.make_cache(B, 8), "LocalKVCache"),
+                                (local, cross.make_cache(B, 8), "LocalKVCache"),
+                                (cross, full.make_cache(B, 8), "ContextCache")):
+        with pytest.raises(TypeError, match=rf"make_cache\(\.\.\.\) \(a {kind}\), got"):
+            module(x, x, is_causal=module is not cross, cache=cache)
+    with pytest.raises(ValueError, match="cache was made for window_size=3, but this "
+                                         "LocalAttention has window_size=2"):
+        local(x, is_causal=True, cache=LocalAttention(D, H, 3).make_cache(B, 8))
+    with pytest.raises(ValueError, match="cache is on device meta but MultiHeadAttention"):
+        full(x, is_causal=True, cache=full.make_cache(B, 8, device="meta"))
+    filled = cross.make_cache(B, 8)
+    cross(x, torch.randn(B, 3, D), cache=filled)
+    with pytest.raises(ValueError, match="batch_size=2, got query with batch size 1"):
+        cross(x[:1], torch.randn(1, 3, D), cache=filled)  # would broadcast over the context
+
+
+@pytest.mark.parametrize("kind", ["full", "local", "cross"])
+def test_decoding_an_empty_batch_or_no_new_token(kind):
+    """Batch 0 and a step of 0 tokens give empty results (docs/edge_cases.md) and leave the
+    cache as it was."""
+    module = {"full": MultiHeadAttention(D, H, position="rotary"),
+              "local": LocalAttention(D, H, 2), "cross": CrossAttention(D, H)}[kind]
+    kw = {"is_causal": True} if kind != "cross" else {}
+    for batch, steps in ((0, 2), (B, 0)):
+        cache = module.make_cache(batch, 8)
+        x = torch.randn(batch, steps, D)
+        out, _ = module(x, x if kind != "cross" else torch.randn(batch, 3, D), cache=cache,
+                        **kw)
+        assert out.shape == (batch, steps, D)
+        assert len(cache) == (steps if kind != "cross" else 3)
 
 
 # ---------------------------------------------------------------------- torch.compile
