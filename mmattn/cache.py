@@ -407,7 +407,9 @@ def check_cache_call(
             f"window_size={window_size}"
         )
     if not batched:
-        raise ValueError("cache= needs batched input (batch, length, embed_dim)")
+        raise ValueError(
+            "cache= needs a batched query (batch, length, embed_dim), got an unbatched one"
+        )
     if attn_mask is not None:
         raise ValueError("attn_mask is not supported with cache=: the cache builds the mask")
     if cache.causal:
@@ -423,8 +425,8 @@ def check_cache_call(
             )
     elif causal:
         raise ValueError(
-            "is_causal=True does not apply with a ContextCache: every query step attends "
-            "the whole context"
+            "is_causal=True does not apply with a ContextCache as cache=: every query step "
+            "attends the whole context"
         )
     elif position is not None:
         raise ValueError("position= does not apply to a ContextCache (cross-attention)")

@@ -88,6 +88,9 @@ class Subject:
         batched: samples are independent (so NaN in sample 0 stays in sample 0).
         path: "fused" / "explicit" to run under that attention path.
         oob: (argument, kwargs -> bad value) pairs that must raise naming the argument.
+        wrong: (argument, label, name the error must use, kwargs -> bad value): other named
+            wrong values, for arguments that are not tensors (a cache made for another
+            batch, dtype or device; a negative length).
         sizes: overrides of :data:`SIZES`.
     """
 
@@ -103,6 +106,7 @@ class Subject:
     batched: bool = True
     path: str | None = None
     oob: tuple[tuple[str, Callable[[dict], Any]], ...] = ()
+    wrong: tuple[tuple[str, str, str, Callable[[dict], Any]], ...] = ()
     sizes: dict[str, int] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -326,6 +330,12 @@ def cases(subject: Subject):  # noqa: C901 - one branch per kind of perturbation
 
         yield _case(RAISES, subject, f"{name}-out-of-range-{subject.oob.index((name, bad))}",
                     out_of_range)
+    for name, label, called, bad in subject.wrong:
+        def wrong(name: str = name, bad: Callable = bad, called: str = called) -> None:
+            kwargs = subject.make(sizes)
+            _expect_error(subject, {**kwargs, name: bad(kwargs)}, called)
+
+        yield _case(RAISES, subject, f"{name}-{label}", wrong)
     for axis in subject.empty_ok:
         def empty(axis: str = axis) -> None:
             fn = subject.callee()

@@ -154,7 +154,7 @@ def test_cache_call_errors():
                cache=cache)
     with pytest.raises(ValueError, match="attn_mask is not supported with cache="):
         module(x, attn_mask=torch.zeros(1, 1, dtype=torch.bool), is_causal=True, cache=cache)
-    with pytest.raises(ValueError, match="needs batched input"):
+    with pytest.raises(ValueError, match="needs a batched query"):
         module(x[0], is_causal=True, cache=cache)
     with pytest.raises(TypeError, match="cache must come from MultiHeadAttention.make_cache"):
         module(x, is_causal=True, cache={})
