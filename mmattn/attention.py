@@ -587,7 +587,13 @@ class MultiHeadAttention(nn.MultiheadAttention):
         A variant takes over the projection weights the same way; its own arguments come as
         keywords, e.g. ``LocalAttention.from_torch(m, window_size=64)``, and its own extra
         parameters (``AdditiveAttention.score_weight`` ...) keep their fresh initialisation.
-        ``module`` may also be an mmattn attention module (its projections are copied).
+        ``module`` may also be an mmattn attention module (its projections are copied, with
+        its ``num_kv_heads`` and ``position``).
+
+        ``num_kv_heads`` is read from the source, never given: its key/value weights fix it
+        (one key/value head per head for torch's module). ``position=`` may be given for a
+        torch source, which has none; the copy then rotates queries and keys, so its
+        outputs differ from the source's.
 
         Args:
             module: the ``nn.MultiheadAttention`` to copy.
@@ -595,7 +601,8 @@ class MultiHeadAttention(nn.MultiheadAttention):
 
         Raises:
             TypeError: ``module`` is not an ``nn.MultiheadAttention``; ``kwargs`` repeats a
-                setting read from ``module`` or misses an argument ``cls`` requires.
+                setting read from ``module`` (``num_kv_heads`` included), names an argument
+                ``cls`` does not take, or misses one ``cls`` requires.
             ValueError: ``module`` uses a setting ``cls`` does not have (e.g.
                 ``add_bias_kv=True`` for ``LocalAttention``).
 

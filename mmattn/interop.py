@@ -36,11 +36,14 @@ def constructor_kwargs(cls: type, module: nn.MultiheadAttention, extra: dict[str
     """The keyword arguments that build a ``cls`` with ``module``'s settings.
 
     ``extra`` holds ``cls``'s own arguments (``window_size`` ...). A setting ``cls`` does not
-    take is dropped when the source uses torch's default, else it is an error.
+    take is dropped when the source uses torch's default, else it is an error. The settings
+    read from ``module`` include those its weights fix (``num_kv_heads``: one key/value head
+    per query head for torch's module) and, for an mmattn source, its ``position`` module.
 
     Raises:
-        TypeError: ``extra`` repeats a setting taken from ``module``, or misses an argument
-            that ``cls`` requires.
+        TypeError: ``extra`` repeats a setting taken from ``module`` (``num_kv_heads``
+            included: the copied key/value weights fix it), names an argument ``cls`` does
+            not have, or misses one that ``cls`` requires.
         ValueError: ``module`` uses a setting that ``cls`` does not have.
     """
     weight = module.out_proj.weight
@@ -56,18 +59,35 @@ def constructor_kwargs(cls: type, module: nn.MultiheadAttention, extra: dict[str
         "batch_first": module.batch_first,
         "device": weight.device,
         "dtype": weight.dtype,
+        # fixed by the key/value weights: torch's module has one key/value head per head
+        "num_kv_heads": getattr(module, "num_kv_heads", module.num_heads),
     }
+    if getattr(module, "position", None) is not None:  # an mmattn source's positions
+        settings["position"] = module.position
     taken = sorted(set(extra) & set(settings))
     if taken:
+        shown = ", ".join(f"{name}={settings[name]!r}" for name in taken)
+        hint = (
+            "; grouped-query attention needs key/value projections of another shape than "
+            "the source's, so it cannot take over its weights"
+            if "num_kv_heads" in taken else ""
+        )
         raise TypeError(
-            f"{cls.__name__}.from_torch takes {', '.join(taken)} from the source module; "
-            "pass only the class's own arguments as keywords"
+            f"{cls.__name__}.from_torch takes {', '.join(taken)} from the source module "
+            f"({shown}){hint}; pass only the class's own arguments as keywords"
         )
     neutral = {
         "dropout": 0.0, "bias": True, "add_bias_kv": False, "add_zero_attn": False,
-        "kdim": module.embed_dim, "vdim": module.embed_dim,
+        "kdim": module.embed_dim, "vdim": module.embed_dim, "num_kv_heads": module.num_heads,
     }
     params = inspect.signature(cls.__init__).parameters
+    own = [name for name in params if name != "self" and name not in settings]
+    unknown = sorted(set(extra) - set(params))
+    if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise TypeError(
+            f"{cls.__name__}.from_torch got {', '.join(unknown)}, which {cls.__name__} does "
+            f"not take; its own arguments are {', '.join(own) or 'none'}"
+        )
     kwargs = dict(extra)
     for name, value in settings.items():
         if name in params:

@@ -11,6 +11,8 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from mmattn import (
@@ -21,6 +23,7 @@ from mmattn import (
     MultiHeadAttention,
     replace_attention,
 )
+from mmattn.rotary import RotaryEmbedding
 
 CLASSES = [
     lambda: MultiHeadAttention(16, 4),
@@ -257,12 +260,53 @@ def test_from_torch_of_variants_takes_the_projections_and_keywords():
         (lambda m: LinformerAttention.from_torch(m, seq_len=8), TypeError, r"needs proj_len"),
         (lambda m: LocalAttention.from_torch(m, window_size=2, num_heads=2), TypeError,
          r"takes num_heads from the source module"),
-        (lambda m: LocalAttention.from_torch(m, window_sizes=2), TypeError, "window_size"),
+        (lambda m: LocalAttention.from_torch(m, window_sizes=2), TypeError,
+         "got window_sizes, which LocalAttention does not take; its own arguments are "
+         "window_size, causal"),
+        (lambda m: CrossAttention.from_torch(m, window_size=2), TypeError,
+         "got window_size, which CrossAttention does not take"),
     ],
 )
 def test_from_torch_bad_keywords(build, error, match):
     with pytest.raises(error, match=match):
         build(nn.MultiheadAttention(16, 4))
+
+
+@pytest.mark.parametrize("build", [
+    lambda m, **kw: MultiHeadAttention.from_torch(m, **kw),
+    lambda m, **kw: CrossAttention.from_torch(m, **kw),
+    lambda m, **kw: AdditiveAttention.from_torch(m, **kw),
+    lambda m, **kw: LocalAttention.from_torch(m, window_size=2, **kw),
+    lambda m, **kw: LinformerAttention.from_torch(m, seq_len=8, proj_len=4, **kw),
+], ids=["full", "cross", "additive", "local", "linformer"])
+def test_from_torch_refuses_num_kv_heads(build):
+    """Grouped heads need smaller key/value weights than the source's: a named error, not
+    a shape mismatch inside the copy."""
+    for num_kv_heads in (1, 2):
+        with pytest.raises(TypeError, match=r"from_torch takes num_kv_heads from the source "
+                                            r"module \(num_kv_heads=4\); grouped-query"):
+            build(nn.MultiheadAttention(16, 4, batch_first=True), num_kv_heads=num_kv_heads)
+
+
+def test_from_torch_of_an_mmattn_source_keeps_its_heads_and_positions():
+    source = MultiHeadAttention(16, 4, num_kv_heads=2, position="rotary").eval()
+    x = torch.randn(2, 5, 16)
+    for twin in (MultiHeadAttention.from_torch(source),
+                 AdditiveAttention.from_torch(MultiHeadAttention.from_torch(source))):
+        assert (twin.num_kv_heads, type(twin.position).__name__) == (2, "RotaryEmbedding")
+    twin = MultiHeadAttention.from_torch(source).eval()
+    torch.testing.assert_close(twin(x)[0], source(x)[0], rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"takes num_kv_heads, position from the source"):
+        MultiHeadAttention.from_torch(source, num_kv_heads=4, position=None)
+    # a torch source has no positions: position= is the copy's own argument
+    torch_mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    rotated = MultiHeadAttention.from_torch(torch_mha, position="rotary").eval()
+    rope = RotaryEmbedding(4)
+    q, k, v = (rearrange(F.linear(x, w, b), "b l (h e) -> b h l e", h=4) for w, b in zip(
+        torch_mha.in_proj_weight.chunk(3), torch_mha.in_proj_bias.chunk(3)))
+    heads = F.scaled_dot_product_attention(rope(q), rope(k), v)
+    reference = torch_mha.out_proj(rearrange(heads, "b h l e -> b l (h e)"))
+    torch.testing.assert_close(rotated(x)[0], reference, rtol=1e-5, atol=1e-6)
 
 
 def test_from_torch_refuses_settings_a_variant_lacks():
