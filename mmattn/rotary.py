@@ -55,10 +55,14 @@ def _check_offset(
     if isinstance(offset, Tensor):
         if device is None:
             return offset, offset.device
-        if offset.device.type != "cpu" and offset.device != torch.device(device):
+        target = torch.device(device)
+        same = offset.device.type == target.type and (
+            target.index is None or offset.device.index == target.index  # "cuda" = "cuda:0"
+        )
+        if offset.device.type != "cpu" and not same:
             raise ValueError(
                 f"offset is on device {offset.device} but the positions are built on "
-                f"{torch.device(device)}; move the offset (or pass an int)"
+                f"{target}; move the offset (or pass an int)"
             )
     return offset, device
 
