@@ -15,13 +15,14 @@ docs/packed.md).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from mmattn import _packed
+from mmattn import _packed, _pytree
 from mmattn._checks import (
     check_matches_params,
     check_meta,
@@ -35,6 +36,7 @@ from mmattn._checks import (
 RESERVED_NAMES = ("spans",)
 
 
+@dataclasses.dataclass(init=False, repr=False, eq=False)  # fields visible to DDP/FSDP
 class Tokens:
     """A padded batch of token sequences with its mask and adapter facts.
 
@@ -63,6 +65,9 @@ class Tokens:
     """
 
     __slots__ = ("x", "mask", "meta")
+    x: Tensor
+    mask: Tensor | None
+    meta: dict[str, Any]
 
     def __init__(self, x: Tensor, mask: Tensor | None = None, meta: dict | None = None) -> None:
         if _packed.is_jagged(x):
@@ -364,3 +369,7 @@ def _check_packed_x(x: Tensor, mask: Tensor | None) -> None:
         raise ValueError(
             "Tokens.mask must be None when x is packed (jagged): every stored token is real"
         )
+
+
+# torch.export, torch.compile, DDP, FSDP and checkpoint see through Tokens: mmattn/_pytree.py
+_pytree.register_tokens(Tokens)
