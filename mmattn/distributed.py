@@ -191,12 +191,16 @@ def _attend_shard(dist, group, attn, q, k, v, real, causal, rank, ranks):
     keys_kv = [kv_left, kv, kv_right]
     keys_real = [m_left, mine, m_right]
     lead = left
-    if glob and rank > 0:
+    ties = []  # collectives every rank joins, also in backward, whether it uses them or not
+    if glob:
         shared = _halo.broadcast_from_first(kv[..., :glob, :], group=group)
         shared_real = _broadcast_mask(dist, group, mine[:, :glob])
-        keys_kv.insert(0, shared)
-        keys_real.insert(0, shared_real)
-        lead += glob
+        if rank > 0:
+            keys_kv.insert(0, shared)
+            keys_real.insert(0, shared_real)
+            lead += glob
+        else:
+            ties.append(shared)
     seq = torch.cat(keys_kv, dim=2)
     seq_real = torch.cat(keys_real, dim=1)
     length = seq.shape[2]
@@ -218,7 +222,24 @@ def _attend_shard(dist, group, attn, q, k, v, real, causal, rank, ranks):
         rows = _global_rows(q, k, v, mine, start, glob, causal, dropout_p, group)
         if rank == 0:
             out = torch.cat([rows, out[:, :, glob:]], dim=2)
-    return out
+        else:
+            ties.append(rows)
+    return _Tie.apply(out, *ties) if ties else out
+
+
+class _Tie(torch.autograd.Function):
+    """Identity on ``out`` that also makes ``others`` part of the graph with zero gradient,
+    so that every rank runs their backward collectives."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, *others: Tensor) -> Tensor:
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        zeros = [torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes]
+        return (grad, *zeros)
 
 
 def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group):
