@@ -6,11 +6,17 @@ blocks: every repeat runs each contender once, in a shuffled order, and we repor
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import gc
+import os
+import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 
 def interleaved_medians(
@@ -51,3 +57,76 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
         cells = [f"{c:.3g}" if isinstance(c, float) else str(c) for c in row]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# --- writing results into the docs --------------------------------------------------------
+#
+# Each benchmark owns one block of a docs page, between
+#     <!-- bench:NAME:start -->  and  <!-- bench:NAME:end -->
+# and ``--write-docs`` replaces the block with the new table and a stamp line (date, torch,
+# machine, command). Prose around the blocks is never touched, so re-running a benchmark
+# changes only numbers. Without ``--write-docs`` (e.g. ``--quick`` runs) nothing is written.
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def add_docs_argument(parser: argparse.ArgumentParser) -> None:
+    """The shared ``--write-docs`` flag (``make bench`` passes it)."""
+    parser.add_argument(
+        "--write-docs", action="store_true",
+        help="write the result table into its docs page between the bench markers",
+    )
+
+
+def machine(device: str = "cpu") -> str:
+    """A short description of where the numbers come from."""
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
+
+
+def command_line() -> str:
+    """How this run was started, without ``--write-docs`` (so a re-run's stamp is stable)."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(DOCS.parent)
+    except ValueError:
+        pass
+    args = [a for a in sys.argv[1:] if a != "--write-docs"]
+    return " ".join([f"python {script}", *args])
+
+
+def write_docs(name: str, body: str, *, device: str = "cpu", page: str = "performance.md",
+               command: str | None = None) -> Path:
+    """Replace the ``bench:NAME`` block of ``docs/PAGE`` with ``body`` and a stamp line.
+
+    A page without the block gets it appended under a ``## NAME`` heading.
+    """
+    import torch
+
+    path = DOCS / page
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = (f"*Last run {when}; torch {torch.__version__}; {machine(device)}; "
+             f"`{command or command_line()}`*")
+    block = f"{start}\n{stamp}\n\n{body.strip()}\n{end}"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        _, after = rest.split(end, 1)
+        text = before + block + after
+    else:
+        text = text.rstrip("\n") + f"\n\n## {name}\n\n{block}\n"
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote the {name} table into {path}")
+    return path
