@@ -29,12 +29,16 @@ test: $(STAMP) lint
 demo: $(STAMP)
 	$(PY) -m examples.demo
 
+# Every benchmark writes its table into docs/performance.md (between its bench markers).
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS),bench]"
-	$(PY) benchmarks/mha.py
-	$(PY) benchmarks/local.py
-	$(PY) benchmarks/adapters.py
-	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/mha.py --write-docs
+	$(PY) benchmarks/local.py --write-docs
+	$(PY) benchmarks/adapters.py --rounds 15 --write-docs
+	$(PY) benchmarks/variants.py --write-docs
+	$(PY) benchmarks/decode.py --write-docs
+	$(PY) benchmarks/compile.py --write-docs
+	$(PY) benchmarks/seqpar.py --write-docs
 
 # The docs tools come with the dev extra; --strict turns every warning (a broken link, a
 # docstring mkdocstrings cannot read) into a failure.

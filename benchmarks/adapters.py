@@ -31,6 +31,9 @@ from torch import nn  # noqa: E402
 
 from adapters import AudioFrameEmbedder, GraphNodeSequencer, ImagePatcher  # noqa: E402
 
+sys.path.append(str(_HERE))  # after `adapters` is imported, so it cannot shadow it
+from _harness import add_docs_argument, write_docs  # noqa: E402
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -163,6 +166,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--only", choices=["image", "audio", "graph"], default=None)
+    add_docs_argument(parser)
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rounds = args.rounds or (3 if args.quick else 10)
@@ -172,8 +176,8 @@ def main() -> None:
         f"torch {torch.__version__}, device {device}, dtype {args.dtype}, "
         f"threads {torch.get_num_threads()}, rounds {rounds} (median)\n"
     )
-    print("| group | contender | median ms | ratio |")
-    print("|---|---|---:|---:|")
+    lines = ["| group | contender | median ms | ratio |", "|---|---|---:|---:|"]
+    print("\n".join(lines))
     groups = {"image": image_group, "audio": audio_group, "graph": graph_group}
     for name, build in groups.items():
         if args.only not in (None, name):
@@ -182,7 +186,12 @@ def main() -> None:
         medians = measure(contenders, grads, rounds, device)
         base = next(iter(medians.values()))
         for contender, seconds in medians.items():
-            print(f"| {label} | {contender} | {seconds * 1e3:.1f} | {seconds / base:.2f}x |")
+            lines.append(f"| {label} | {contender} | {seconds * 1e3:.1f} | {seconds / base:.2f}x |")
+            print(lines[-1])
+    if args.write_docs:
+        plain = device.type == "cpu" and args.dtype == "float32" and args.only is None
+        write_docs("adapters" if plain else f"adapters-{device.type}-{args.dtype}",
+                   "\n".join(lines), device=str(device))
 
 
 if __name__ == "__main__":

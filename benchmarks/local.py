@@ -36,7 +36,12 @@ from einops import rearrange
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import interleaved_medians, markdown_table  # noqa: E402
+from _harness import (  # noqa: E402
+    add_docs_argument,
+    interleaved_medians,
+    markdown_table,
+    write_docs,
+)
 
 from mmattn import LocalAttention, MultiHeadAttention  # noqa: E402
 from mmattn.masks import band_mask  # noqa: E402
@@ -162,6 +167,7 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    add_docs_argument(parser)
     args = parser.parse_args()
     if args.child:
         name, length, mode = args.child
@@ -199,10 +205,11 @@ def main() -> None:
                 ])
             print(f"{mode} L={length}: " + ", ".join(
                 f"{n}={medians[n] * 1e3:.0f}ms" for n in calls), flush=True)
-    print()
-    print(markdown_table(
+    table = markdown_table(
         ["mode", "L", "contender", "median ms", "× ours time", "peak growth GiB"], rows
-    ))
+    )
+    print()
+    print(table)
 
     big = 8192 if args.quick else 65536
     x = torch.randn(1, big, EMBED, requires_grad=True)
@@ -210,8 +217,11 @@ def main() -> None:
     t = interleaved_medians({"ours": lambda: run_once(ours, x, "fwd+bwd")}, 1, warmup=0)
     mem = None if args.no_memory else peak_memory("ours", big, "fwd+bwd")
     mem_text = "—" if mem is None else f"{mem:.2f} GiB"
-    print(f"\nours fwd+bwd at L={big}: {t['ours']:.2f} s, peak growth {mem_text} "
-          f"(target < 6 GiB)")
+    big_line = (f"ours fwd+bwd at L={big}: {t['ours']:.2f} s, peak growth {mem_text} "
+                f"(target < 6 GiB)")
+    print("\n" + big_line)
+    if args.write_docs:
+        write_docs("local", f"{table}\n\n{big_line}")
 
     print("\n## targets (fwd+bwd unless stated)")
     top = lengths[-1]

@@ -21,7 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import interleaved_medians, markdown_table  # noqa: E402
+from _harness import (  # noqa: E402
+    add_docs_argument,
+    interleaved_medians,
+    markdown_table,
+    write_docs,
+)
 
 from mmattn import MultiHeadAttention  # noqa: E402
 
@@ -69,6 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_docs_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
@@ -114,8 +120,13 @@ def main() -> None:
         "mode", "L", "torch ms", "ours ms", "ours/torch", "torch w ms", "ours w ms",
         "ours_w/torch_w", "naive ms", "naive/torch",
     ]
+    table = markdown_table(header, rows)
     print()
-    print(markdown_table(header, rows))
+    print(table)
+    if args.write_docs:
+        plain = args.device == "cpu" and args.dtype == "float32"
+        write_docs("mha" if plain else f"mha-{args.device}-{args.dtype}", table,
+                   device=args.device)
 
 
 if __name__ == "__main__":

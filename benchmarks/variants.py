@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import interleaved_medians, markdown_table  # noqa: E402
+from _harness import (  # noqa: E402
+    add_docs_argument,
+    interleaved_medians,
+    markdown_table,
+    write_docs,
+)
 
 from mmattn import (  # noqa: E402
     AdditiveAttention,
@@ -62,6 +67,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--additive-max", type=int, default=1024)
     p.add_argument("--quick", action="store_true", help="L = 64, 128; 2 repeats")
+    add_docs_argument(p)
     args = p.parse_args()
     if args.quick:
         args.lengths, args.repeats = [64, 128], 2
@@ -80,8 +86,12 @@ def main() -> None:
                 rows.append([length, name, times[name] * 1e3,
                              "-" if peak is None else f"{peak:.1f}"])
                 print(f"L={length} {name}: {times[name] * 1e3:.1f} ms", flush=True)
+    table = markdown_table(["L", "variant", "forward ms", "peak MiB (cuda)"], rows)
     print()
-    print(markdown_table(["L", "variant", "forward ms", "peak MiB (cuda)"], rows))
+    print(table)
+    if args.write_docs:
+        write_docs("variants" if args.device == "cpu" else f"variants-{args.device}", table,
+                   device=args.device)
 
 
 if __name__ == "__main__":
