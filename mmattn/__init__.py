@@ -1,6 +1,6 @@
 """mmattn: multi-modal attention components for PyTorch."""
 
-from mmattn import cache, debug, functional, masks, position, registry, rotary
+from mmattn import cache, debug, distributed, functional, masks, position, registry, rotary
 from mmattn.additive import AdditiveAttention
 from mmattn.attention import MultiHeadAttention
 from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
@@ -31,6 +31,7 @@ __all__ = [
     "available_attention",
     "cache",
     "debug",
+    "distributed",
     "functional",
     "masked_max",
     "masked_mean",
