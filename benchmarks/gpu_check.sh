@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# The whole GPU check in one prepared run (device time is short): every CUDA-parametrized
-# test, then the GPU benchmarks. Meant for the lent GPU machine, whose python3 already has
-# torch, einops, pytest, hypothesis, torchvision, torchaudio and torch_geometric:
+# The whole GPU check in one prepared run (device time is short, so the script stays under
+# 8 minutes: every step has a time limit and steps are skipped once the budget is spent).
+# Meant for the lent GPU machine, whose python3 already has torch, einops, pytest,
+# hypothesis, torchvision, torchaudio and torch_geometric:
 #
 #   bash benchmarks/gpu_check.sh            # logs and tables land in $OUT (or out/gpu)
+#
+# 1. the CUDA half of the test suite (compile on CUDA included);
+# 2. bf16 TFLOP/s of MultiHeadAttention vs raw SDPA (+ the projections' fair share) at
+#    L in {1024, 4096, 16384}, D=1024, H=16 (target >= 90 %), and LocalAttention vs
+#    FlexAttention with a sliding-window block mask (target: no slower);
+# 3. the CPU benchmarks' CUDA variants (attention core fp32/bf16, adapters), packed vs
+#    padded when that benchmark exists;
+# 4. with more than one GPU: DDP (with/without find_unused_parameters), compiled DDP, FSDP2
+#    and SequenceParallel on NCCL against one GPU (benchmarks/gpu_dist_check.py).
 #
 # Build and test everything on the CPU first; this script only adds what needs a GPU.
 set -uo pipefail
@@ -11,22 +21,58 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DEST=${OUT:-out/gpu}
+BUDGET=${BUDGET:-450}  # seconds for all steps together
 mkdir -p "$DEST"
 status=0
+start=$SECONDS
+
+# step NAME LIMIT LOG COMMAND...: run with at most LIMIT seconds (less when the budget is
+# nearly spent), log to $DEST/LOG, record failures; skip when under 20 s are left.
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - start)))
+  if ((left < 20)); then
+    echo "== $name: skipped, time budget spent" | tee -a "$DEST/summary.txt"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$DEST/$log"
+  local rc=${PIPESTATUS[0]}
+  ((rc != 0)) && status=1
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$DEST/summary.txt"
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$DEST/gpu.txt"
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
   | tee -a "$DEST/gpu.txt"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
-# 1. The CUDA half of the suite (the CPU half already ran in CI).
-$PY -m pytest -q -p no:cacheprovider -k cuda tests 2>&1 | tee "$DEST/cuda_tests.log" \
-  || status=1
-
-# 2. Benchmarks on the GPU: attention core (fp32 and bf16) and the adapters.
-for dtype in float32 bfloat16; do
-  $PY benchmarks/mha.py --device cuda --dtype "$dtype" 2>&1 | tee "$DEST/mha_cuda_$dtype.md" \
-    || status=1
+step "CUDA tests" 170 cuda_tests.log $PY -m pytest -q -p no:cacheprovider -k cuda tests
+step "MHA vs SDPA, LocalAttention vs Flex (bf16)" 120 gpu_attention.md \
+  $PY benchmarks/gpu_attention.py
+if ((NGPU > 1)); then
+  step "DDP / FSDP2 / SequenceParallel on NCCL ($NGPU GPUs)" 120 gpu_dist.log \
+    torchrun --standalone --nproc-per-node="$NGPU" benchmarks/gpu_dist_check.py
+else
+  echo "== one GPU: the NCCL DDP/FSDP2/SequenceParallel check needs two" \
+    | tee -a "$DEST/summary.txt"
+fi
+if [[ -f benchmarks/packed.py ]]; then
+  args=()
+  $PY benchmarks/packed.py --help 2>/dev/null | grep -q -- --device && args=(--device cuda)
+  step "packed vs padded" 60 packed_cuda.md $PY benchmarks/packed.py "${args[@]}"
+else
+  echo "== packed vs padded: benchmarks/packed.py not present, skipped" \
+    | tee -a "$DEST/summary.txt"
+fi
+for dtype in bfloat16 float32; do
+  step "attention core $dtype" 45 "mha_cuda_$dtype.md" \
+    $PY benchmarks/mha.py --device cuda --dtype "$dtype"
 done
-$PY benchmarks/adapters.py --device cuda --rounds 20 2>&1 | tee "$DEST/adapters_cuda.md" \
-  || status=1
+step "adapters" 45 adapters_cuda.md $PY benchmarks/adapters.py --device cuda --rounds 20
+
+echo "total $((SECONDS - start)) s, status $status" | tee -a "$DEST/summary.txt"
 exit $status
