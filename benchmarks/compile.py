@@ -7,7 +7,8 @@ B=4, D=256, H=8, fp32. Modules: ``MultiHeadAttention`` (L=512), ``LocalAttention
 (window 64, L=2048), ``TransformerBlock`` (L=512) and a 2-block ``Encoder`` (L=512).
 "inference" is eval mode under ``torch.no_grad``, "training" is forward + backward. The
 compiled module is ``torch.compile(module, fullgraph=True)`` (default inductor); its first
-call (compilation) is timed separately and excluded from the medians. Times are medians of
+call (compilation) is timed separately and excluded from the medians; the compiled output
+is checked against eager before timing. Times are medians of
 interleaved repeats (benchmarks/_harness.py).
 """
 
@@ -76,13 +77,17 @@ def main() -> None:
             start = time.perf_counter()
             run(compiled)
             compile_s = time.perf_counter() - start
+            with torch.no_grad():  # the compiled module must compute what eager does
+                torch.testing.assert_close(call(compiled, x), call(module, x),
+                                           atol=1e-4, rtol=1e-4)
             medians = interleaved_medians(
                 {"eager": lambda m=module: run(m), "compiled": lambda m=compiled: run(m)},
                 repeats,
             )
             rows.append([
-                name, length, mode, medians["eager"] * 1e3, medians["compiled"] * 1e3,
-                medians["compiled"] / medians["eager"], compile_s,
+                name, length, mode, f"{medians['eager'] * 1e3:.1f}",
+                f"{medians['compiled'] * 1e3:.1f}", medians["compiled"] / medians["eager"],
+                f"{compile_s:.1f}",
             ])
             print(f"{name} L={length} {mode}: eager {medians['eager'] * 1e3:.1f} ms, "
                   f"compiled {medians['compiled'] * 1e3:.1f} ms "
