@@ -78,15 +78,17 @@ def main() -> int:
         attn, x, grad = attn.to(device), x.to(device), grad.to(device)
         mask = None if mask is None else mask.to(device)
         ref_x = x.clone().requires_grad_()
-        ref, _ = attn(ref_x, key_padding_mask=mask)
+        ref, _ = attn(ref_x, key_padding_mask=mask, is_causal=w.sp_causal(case))
         ref.backward(grad)
         ref_params = {n: p.grad.clone() for n, p in attn.named_parameters()}
         attn.zero_grad(set_to_none=True)
         n = w.SP_LENGTH // sp_world
         part = slice(rank * n, (rank + 1) * n)
         shard = x[:, part].clone().requires_grad_()
-        out, _ = SequenceParallel(attn, group=group)(shard, key_padding_mask=None if mask is None
-                                        else mask[:, part])
+        out, _ = SequenceParallel(attn, group=group)(
+            shard, key_padding_mask=None if mask is None else mask[:, part],
+            is_causal=w.sp_causal(case),
+        )
         out.backward(grad[:, part])
         all_reduce_grads(attn, group=group)
         ok = torch.allclose(out, ref[:, part], atol=1e-5, rtol=0)

@@ -12,6 +12,8 @@ gradient of a shard's keys and values includes what its neighbours' queries did 
   rank 0.
 - :func:`all_gather_stack`: every rank's tensor, stacked; backward sums each slice's gradient
   over ranks and hands each rank its own slice.
+- :func:`heads_to_sequence` / :func:`sequence_to_heads`: the two all-to-alls of Ulysses-style
+  sequence parallelism for full attention (each is the other's backward).
 
 Every rank of the group must call each step (forward and backward) in the same order, as
 with any collective.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 from torch import Tensor
 
 
@@ -190,3 +193,45 @@ class _AllGatherStack(torch.autograd.Function):
 def all_gather_stack(x: Tensor, group=None) -> Tensor:
     """Every rank's ``x`` stacked along a new first axis (p, ...), differentiably."""
     return _AllGatherStack.apply(x, group)
+
+
+class _AllToAllHeads(torch.autograd.Function):
+    """(b, h, n, e) shards of the sequence <-> (b, h / p, p·n, e) groups of heads."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, to_heads: bool, group):
+        ctx.to_heads, ctx.group = to_heads, group
+        return _all_to_all(x, to_heads, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all(grad.contiguous(), not ctx.to_heads, ctx.group), None, None
+
+
+def _all_to_all(x: Tensor, to_heads: bool, group) -> Tensor:
+    ranks = dist.get_world_size(group)
+    if to_heads:  # send head group p of my positions to rank p
+        send = rearrange(x, "b (p g) n e -> p g b n e", p=ranks).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return rearrange(recv, "p g b n e -> b g (p n) e")
+    # back: positions of shard p of my head group go to rank p
+    send = rearrange(x, "b g (p n) e -> p g b n e", p=ranks).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return rearrange(recv, "p g b n e -> b (p g) n e")
+
+
+def heads_to_sequence(x: Tensor, group=None) -> Tensor:
+    """All-to-all (Ulysses): my shard of every head -> every position of my head group.
+
+    Shape:
+        - x: (b, h, n, e), h divisible by the group size p
+        - returns: (b, h / p, p·n, e); rank r gets heads [r·h/p, (r+1)·h/p)
+    """
+    return _AllToAllHeads.apply(x, True, group)
+
+
+def sequence_to_heads(x: Tensor, group=None) -> Tensor:
+    """The inverse all-to-all of :func:`heads_to_sequence`: (b, h / p, p·n, e) -> (b, h, n, e)."""
+    return _AllToAllHeads.apply(x, False, group)

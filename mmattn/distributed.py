@@ -1,4 +1,4 @@
-"""Sequence parallelism for local attention: each rank holds one contiguous shard of L.
+"""Sequence parallelism: each rank holds one contiguous shard of the sequence.
 
 Axis key: ``b`` batch, ``h`` heads, ``n`` shard length (L / P), ``d`` model width, ``e`` head
 width, ``w`` window (halo rows), ``g`` global tokens, ``p`` ranks.
@@ -17,6 +17,11 @@ whole sequence, which must lie in rank 0's shard) are broadcast from rank 0 to e
 extra keys; their own query rows, which see the whole sequence, are merged from every rank's
 partial attention with a log-sum-exp reduction (one all-gather of (g, e) rows).
 
+Full attention (a plain :class:`~mmattn.MultiHeadAttention`) has no small halo; there the
+wrapper goes Ulysses style: one all-to-all turns every rank's (b, h, n, e) shard into all
+positions of h / p heads, the module's own attention kernel runs, a second all-to-all
+returns (b, h, n, e).
+
 Everything here is a thin wrapper: the wrapped module keeps its parameters and stays the
 single-process reference (tests compare the two).
 """
@@ -32,6 +37,7 @@ from torch import Tensor, nn
 
 from mmattn._blocked import local_attend
 from mmattn._helpers import default
+from mmattn.attention import MultiHeadAttention
 from mmattn.local import LocalAttention
 
 __all__ = ["SequenceParallel", "all_reduce_grads"]
@@ -53,7 +59,8 @@ def _dist():
 
 
 class SequenceParallel(nn.Module):
-    r"""Run a :class:`~mmattn.LocalAttention` on a sequence split across ranks.
+    r"""Run a :class:`~mmattn.LocalAttention` (or a full :class:`~mmattn.MultiHeadAttention`)
+    on a sequence split across ranks.
 
     Every rank of ``group`` calls this module with its own contiguous shard of the sequence
     (rank r holds positions ``[r·n, (r+1)·n)``); the result is that shard of what the wrapped
@@ -62,28 +69,31 @@ class SequenceParallel(nn.Module):
     :func:`all_reduce_grads`). Communication per call: one tiny all-gather of shapes (so bad
     input fails on every rank instead of hanging), one ``batch_isend_irecv`` of the ``w``
     boundary keys and values with each neighbour (and of the padding mask), and with global
-    tokens one broadcast and one all-gather of ``g`` rows.
+    tokens one broadcast and one all-gather of ``g`` rows. A full ``MultiHeadAttention`` is
+    run with two all-to-alls over heads instead (``num_heads`` divisible by the ranks).
 
     It has the forward contract of the wrapped module for self-attention, so it can replace
     the ``attn`` of a local :class:`~mmattn.TransformerBlock` (everything else in a block
     works token by token, so the whole block then runs sequence-parallel).
 
     Args:
-        attention: the module to run; its parameters are used as they are (not copied).
+        attention: a LocalAttention (halo exchange) or a plain MultiHeadAttention (all-to-all
+            over heads); its parameters are used as they are (not copied).
         group: the process group whose ranks hold the shards, in rank order
             (None = the default group).
 
     Shape:
         - query (and key, value when given): (B, n, D) with batch_first, else (n, B, D); the
-          same n on every rank, ``n >= window_size``
+          same n on every rank, ``n >= window_size`` (local)
         - key_padding_mask: (B, n) bool, True = padding (this rank's shard)
         - returns: (B, n, D) and None (attention weights are not gathered)
 
     Raises:
-        TypeError: ``attention`` is not a LocalAttention; a mask is not bool.
+        TypeError: ``attention`` is neither a LocalAttention nor a MultiHeadAttention.
         ValueError: shard shorter than the window, ranks disagree on shapes, global tokens
-            outside rank 0's shard, ``need_weights`` or ``attn_mask`` given, or a key/value
-            of another length.
+            outside rank 0's shard, heads not divisible by the ranks (full attention),
+            ``need_weights`` or ``attn_mask`` given, a key/value of another length, a
+            non-bool mask, or ``add_bias_kv``/``add_zero_attn``.
         RuntimeError: no initialised process group.
 
     Examples:
@@ -94,11 +104,20 @@ class SequenceParallel(nn.Module):
         >>> out, _ = sp(shard)  # == attn(full)[0][:, rank * n:(rank + 1) * n]  # doctest: +SKIP
     """
 
-    def __init__(self, attention: LocalAttention, group=None) -> None:
+    def __init__(self, attention: LocalAttention | MultiHeadAttention, group=None) -> None:
         super().__init__()
-        if not isinstance(attention, LocalAttention):
+        if not isinstance(attention, LocalAttention) and type(attention) is not (
+            MultiHeadAttention
+        ):
             raise TypeError(
-                f"attention must be an mmattn.LocalAttention, got {type(attention).__name__}"
+                "attention must be an mmattn.LocalAttention (halo exchange) or an "
+                "mmattn.MultiHeadAttention (all-to-all over heads), got "
+                f"{type(attention).__name__}"
+            )
+        if attention.bias_k is not None or attention.add_zero_attn:
+            raise ValueError(
+                "SequenceParallel does not support add_bias_kv or add_zero_attn (extra keys "
+                "that belong to no shard); build the attention without them"
             )
         self.attention = attention
         self.group = group
@@ -125,10 +144,15 @@ class SequenceParallel(nn.Module):
         error = _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_mask)
         if not error and not attn.batch_first:
             query, key, value = (rearrange(t, "n b d -> b n d") for t in (query, key, value))
-        causal = bool(attn.causal or is_causal)
+        causal = bool(getattr(attn, "causal", False) or is_causal)
         _agree(dist, group, query.shape[:2], key_padding_mask is not None, causal, error)
         rank, ranks = dist.get_rank(group), dist.get_world_size(group)
         batch, n = query.shape[:2]
+        q, k, v = _heads(attn, query, key, value)
+        real = None if key_padding_mask is None else ~key_padding_mask
+        if not isinstance(attn, LocalAttention):
+            out = _attend_heads(dist, group, attn, q, k, v, real, causal, ranks)
+            return self._finish(out)
         window, glob = attn.window_size, attn.num_global_tokens
         if n < window:
             raise ValueError(
@@ -141,11 +165,12 @@ class SequenceParallel(nn.Module):
                 f"rank 0's shard, got shard length {n}"
             )
 
-        q, k, v = _heads(attn, query, key, value)
-        real = None if key_padding_mask is None else ~key_padding_mask
         out = _attend_shard(dist, group, attn, q, k, v, real, causal, rank, ranks)
-        out = attn.out_proj(rearrange(out, "b h n e -> b n (h e)"))
-        if not attn.batch_first:
+        return self._finish(out)
+
+    def _finish(self, out: Tensor) -> tuple[Tensor, None]:
+        out = self.attention.out_proj(rearrange(out, "b h n e -> b n (h e)"))
+        if not self.attention.batch_first:
             out = rearrange(out, "b n d -> n b d")
         return out, None
 
@@ -159,6 +184,32 @@ def _heads(attn: LocalAttention, query: Tensor, key: Tensor, value: Tensor):
         for t in (attn.k_proj(key), attn.v_proj(value))
     )
     return q, k, v
+
+
+def _attend_heads(dist, group, attn, q, k, v, real, causal, ranks):
+    """Full attention, Ulysses style: all-to-all to every position of h / p heads, attend
+    with the module's own kernel, all-to-all back. (b, h, n, e) -> (b, h, n, e)."""
+    from mmattn import _halo
+
+    for name, heads in (("num_heads", q.shape[1]), ("key/value heads", k.shape[1])):
+        if heads % ranks:
+            raise ValueError(
+                f"SequenceParallel over heads needs {name}={heads} divisible by the "
+                f"{ranks} ranks of the group"
+            )
+    q, k, v = (_halo.heads_to_sequence(t, group=group) for t in (q, k, v))
+    mask = None
+    if _any(dist, group, real is not None):
+        mine = real if real is not None else torch.ones(q.shape[0], k.shape[2] // ranks,
+                                                          dtype=torch.bool, device=q.device)
+        every = [torch.empty_like(mine, dtype=torch.uint8) for _ in range(ranks)]
+        dist.all_gather(every, mine.to(torch.uint8).contiguous(), group=group)
+        mask = rearrange(torch.cat(every, dim=1).bool(), "b j -> b 1 1 j")
+    out, _ = attn._attention(
+        q, k, v, mask, is_causal=causal,
+        dropout_p=attn.dropout if attn.training else 0.0, need_weights=False,
+    )
+    return _halo.sequence_to_heads(out, group=group)
 
 
 def _attend_shard(dist, group, attn, q, k, v, real, causal, rank, ranks):

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import adapters
-from mmattn import LocalAttention, MaskedPool, Tokens, TransformerBlock
+from mmattn import LocalAttention, MaskedPool, MultiHeadAttention, Tokens, TransformerBlock
 
 DTYPE = torch.float64
 VOCAB, D, H = 40, 8, 2
@@ -97,6 +97,9 @@ SP_CASES = {
     "global_causal": ({"window_size": 2, "num_global_tokens": 2, "causal": True}, False),
     # on 4 ranks rank 1's left halo reaches back into the global tokens
     "global_wide": ({"window_size": 5, "num_global_tokens": 2}, True),
+    # full attention: all-to-all over heads (4 heads: one per rank on 4 ranks)
+    "full": ({"full": True}, True),
+    "full_causal": ({"full": True}, False),
 }
 SP_LENGTH = 24  # 12 per rank on 2 ranks, 6 on 4
 
@@ -105,7 +108,10 @@ def build_sp(name: str) -> tuple[LocalAttention, torch.Tensor, torch.Tensor | No
     """(module, x (2, L, D), key padding mask or None, upstream gradient), all float64."""
     kwargs, padded = SP_CASES[name]
     torch.manual_seed(2)
-    attn = LocalAttention(D, H, **kwargs).to(DTYPE).eval()
+    if kwargs.get("full"):
+        attn = MultiHeadAttention(D, 4).to(DTYPE).eval()
+    else:
+        attn = LocalAttention(D, H, **kwargs).to(DTYPE).eval()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, SP_LENGTH, D, generator=gen, dtype=DTYPE)
     grad = torch.randn(2, SP_LENGTH, D, generator=gen, dtype=DTYPE)
@@ -115,6 +121,11 @@ def build_sp(name: str) -> tuple[LocalAttention, torch.Tensor, torch.Tensor | No
         mask[1, SP_LENGTH - 9:] = True
         mask[0, 10:13] = True
     return attn, x, mask, grad
+
+
+def sp_causal(name: str) -> bool:
+    """``is_causal`` passed at call time (full attention has no causal constructor flag)."""
+    return name == "full_causal"
 
 
 # --- scenarios run in every worker -------------------------------------------------------
@@ -161,7 +172,8 @@ def _sp(name: str, outdir: Path):
     rows = slice(rank * n, (rank + 1) * n)
     shard = x[:, rows].clone().requires_grad_()
     sp = SequenceParallel(attn)
-    out, _ = sp(shard, key_padding_mask=None if mask is None else mask[:, rows])
+    out, _ = sp(shard, key_padding_mask=None if mask is None else mask[:, rows],
+                is_causal=sp_causal(name))
     out.backward(grad[:, rows])
     all_reduce_grads(attn)
     return {

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmattn import LocalAttention, Tokens, TransformerBlock
+from mmattn import LocalAttention, MultiHeadAttention, Tokens, TransformerBlock
 from mmattn.distributed import SequenceParallel
 from tests import _dist_worker as worker
 
@@ -152,7 +152,7 @@ def test_dcp_saved_by_two_ranks_loads_into_one(two):
 def _sp_reference(case: str):
     attn, x, mask, grad = worker.build_sp(case)
     x = x.clone().requires_grad_()
-    out, _ = attn(x, key_padding_mask=mask)
+    out, _ = attn(x, key_padding_mask=mask, is_causal=worker.sp_causal(case))
     out.backward(grad)
     return out.detach(), x.grad, {n: p.grad for n, p in attn.named_parameters()}
 
@@ -199,6 +199,8 @@ def test_sequence_parallel_without_process_group_names_init():
         sp(torch.randn(1, 4, 8))
 
 
-def test_sequence_parallel_wraps_only_local_attention():
-    with pytest.raises(TypeError, match="LocalAttention, got Linear"):
+def test_sequence_parallel_wraps_local_or_full_attention_only():
+    with pytest.raises(TypeError, match="MultiHeadAttention .all-to-all over heads., got Linear"):
         SequenceParallel(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="add_bias_kv or add_zero_attn"):
+        SequenceParallel(MultiHeadAttention(8, 2, add_bias_kv=True))
