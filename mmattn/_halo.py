@@ -235,3 +235,24 @@ def heads_to_sequence(x: Tensor, group=None) -> Tensor:
 def sequence_to_heads(x: Tensor, group=None) -> Tensor:
     """The inverse all-to-all of :func:`heads_to_sequence`: (b, h / p, p·n, e) -> (b, h, n, e)."""
     return _AllToAllHeads.apply(x, False, group)
+
+
+def broadcast_mask(mask: Tensor, group=None) -> Tensor:
+    """Rank 0's bool ``mask`` on every rank (no gradient; sent as uint8)."""
+    out = mask.to(torch.uint8).contiguous().clone()
+    dist.broadcast(out, _peer(group, 0), group=group)
+    return out.bool()
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """True when ``flag`` holds on any rank of ``group`` (a collective)."""
+    value = torch.tensor([int(flag)], device=comm_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def comm_device(group=None) -> torch.device:
+    """Where small bookkeeping tensors must live for ``group``'s backend (NCCL: the GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -119,6 +119,11 @@ class SequenceParallel(nn.Module):
                 "SequenceParallel does not support add_bias_kv or add_zero_attn (extra keys "
                 "that belong to no shard); build the attention without them"
             )
+        if getattr(attention, "position", None) is not None:
+            raise ValueError(
+                "SequenceParallel does not support a position module on the attention yet "
+                "(each shard would need its absolute offset); add positions before it"
+            )
         self.attention = attention
         self.group = group
 
@@ -175,7 +180,7 @@ class SequenceParallel(nn.Module):
         return out, None
 
 
-def _heads(attn: LocalAttention, query: Tensor, key: Tensor, value: Tensor):
+def _heads(attn: MultiHeadAttention, query: Tensor, key: Tensor, value: Tensor):
     """Project and split heads: q (b, h, n, e); k, v (b, h_kv, n, e)."""
     kv_heads = getattr(attn, "num_kv_heads", None) or attn.num_heads
     q = rearrange(attn.q_proj(query), "b n (h e) -> b h n e", h=attn.num_heads)
@@ -199,7 +204,7 @@ def _attend_heads(dist, group, attn, q, k, v, real, causal, ranks):
             )
     q, k, v = (_halo.heads_to_sequence(t, group=group) for t in (q, k, v))
     mask = None
-    if _any(dist, group, real is not None):
+    if _halo.any_rank(real is not None, group=group):
         mine = real if real is not None else torch.ones(q.shape[0], k.shape[2] // ranks,
                                                           dtype=torch.bool, device=q.device)
         every = [torch.empty_like(mine, dtype=torch.uint8) for _ in range(ranks)]
@@ -221,7 +226,7 @@ def _attend_shard(dist, group, attn, q, k, v, real, causal, rank, ranks):
     dropout_p = attn.dropout if attn.training else 0.0
     ek = k.shape[-1]
     start = rank * n  # absolute position of my first row
-    any_mask = _any(dist, group, real is not None)
+    any_mask = _halo.any_rank(real is not None, group=group)
     mine = real if real is not None else torch.ones(batch, n, dtype=torch.bool, device=q.device)
 
     kv = torch.cat([k, v], dim=-1)
@@ -245,7 +250,7 @@ def _attend_shard(dist, group, attn, q, k, v, real, causal, rank, ranks):
     ties = []  # collectives every rank joins, also in backward, whether it uses them or not
     if glob:
         shared = _halo.broadcast_from_first(kv[..., :glob, :], group=group)
-        shared_real = _broadcast_mask(dist, group, mine[:, :glob])
+        shared_real = _halo.broadcast_mask(mine[:, :glob], group=group)
         if rank > 0:
             keys_kv.insert(0, shared)
             keys_real.insert(0, shared_real)
@@ -321,20 +326,6 @@ def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group):
     return (scale * outs).sum(dim=0)
 
 
-def _broadcast_mask(dist, group, mask: Tensor) -> Tensor:
-    out = mask.to(torch.uint8).contiguous().clone()
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast(out, src, group=group)
-    return out.bool()
-
-
-def _any(dist, group, flag: bool) -> bool:
-    """True when ``flag`` holds on any rank (collective)."""
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
-
-
 def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_mask) -> str:
     """This rank's input error message, or "" (raised only after every rank has checked)."""
     if need_weights:
@@ -365,8 +356,10 @@ def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_m
 def _agree(dist, group, batch_n, has_mask: bool, causal: bool, error: str) -> None:
     """All-gather every rank's (error, batch, shard length, mask, causal) and raise the same
     ValueError on every rank when something is off, before any halo exchange could hang."""
+    from mmattn import _halo
+
     row = [1, 0, 0, 0, 0] if error else [0, *batch_n, int(has_mask), int(causal)]
-    mine = torch.tensor(row, dtype=torch.long)
+    mine = torch.tensor(row, dtype=torch.long, device=_halo.comm_device(group))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every).tolist()
