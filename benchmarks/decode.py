@@ -34,7 +34,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import interleaved_medians, markdown_table  # noqa: E402
+from _harness import (  # noqa: E402
+    add_docs_argument,
+    interleaved_medians,
+    markdown_table,
+    write_docs,
+)
 
 from mmattn import LocalAttention, MultiHeadAttention, Tokens, TransformerBlock  # noqa: E402
 
@@ -98,6 +103,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the shared CPU gives steadier medians)")
+    add_docs_argument(parser)
     args = parser.parse_args()
     tokens, repeats = (64, 1) if args.quick else (args.tokens, args.repeats)
     torch.set_num_threads(args.threads)
@@ -116,12 +122,17 @@ def main() -> None:
             repeats=repeats, warmup=0,  # the equality check above warmed both up
         )
     ratio = medians["recompute"] / medians["cache"]
-    print(markdown_table(
-        ["decode T tokens", "seconds", "ms / token", "speed-up"],
+    table = markdown_table(
+        [f"decode {tokens} tokens", "seconds", "ms / token", "speed-up"],
         [[name, medians[name], 1e3 * medians[name] / tokens,
           f"{medians['recompute'] / medians[name]:.1f}x"] for name in ("cache", "recompute")],
-    ))
-    print(f"max |cache - recompute| = {diff:.2e}; cache is {ratio:.1f}x faster (target >= 20x)")
+    )
+    summary = (f"max |cache - recompute| = {diff:.2e}; cache is {ratio:.1f}x faster "
+               f"(target >= 20x)")
+    print(table)
+    print(summary)
+    if args.write_docs:
+        write_docs("decode", f"{table}\n\n{summary}")
 
     window = 64
     positions = [64, 256, 1024, 4096] if not args.quick else [64, 256]
@@ -134,10 +145,14 @@ def main() -> None:
         full_times, kv = step_times(full, positions, step_repeats)
     rows = [[t, f"{1e3 * a:.3f}", f"{1e3 * b:.3f}"] for t, a, b in zip(positions, local_times,
                                                                      full_times)]
+    table = markdown_table(["position t", "local ring: ms / step", "full KV: ms / step"], rows)
+    summary = (f"cache bytes: local ring (window {window}) {ring.nbytes:,} whatever t; full "
+               f"KV cache for {kv.max_len} tokens {kv.nbytes:,} (grows with max_len)")
     print()
-    print(markdown_table(["position t", "local ring: ms / step", "full KV: ms / step"], rows))
-    print(f"cache bytes: local ring (window {window}) {ring.nbytes:,} whatever t; full KV "
-          f"cache for {kv.max_len} tokens {kv.nbytes:,} (grows with max_len)")
+    print(table)
+    print(summary)
+    if args.write_docs:
+        write_docs("decode-local", f"{table}\n\n{summary}")
 
 
 if __name__ == "__main__":
