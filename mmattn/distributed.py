@@ -119,11 +119,6 @@ class SequenceParallel(nn.Module):
                 "SequenceParallel does not support add_bias_kv or add_zero_attn (extra keys "
                 "that belong to no shard); build the attention without them"
             )
-        if getattr(attention, "position", None) is not None:
-            raise ValueError(
-                "SequenceParallel does not support a position module on the attention yet "
-                "(each shard would need its absolute offset); add positions before it"
-            )
         self.attention = attention
         self.group = group
 
@@ -154,6 +149,8 @@ class SequenceParallel(nn.Module):
         rank, ranks = dist.get_rank(group), dist.get_world_size(group)
         batch, n = query.shape[:2]
         q, k, v = _heads(attn, query, key, value)
+        if getattr(attn, "position", None) is not None:  # e.g. rotary, at absolute positions
+            q, k = attn.position(q, rank * n), attn.position(k, rank * n)
         real = None if key_padding_mask is None else ~key_padding_mask
         if not isinstance(attn, LocalAttention):
             out = _attend_heads(dist, group, attn, q, k, v, real, causal, ranks)
@@ -305,6 +302,8 @@ def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group):
 
     ek, ev = k.shape[-1], v.shape[-1]
     qg = _halo.broadcast_from_first(q[:, :, :glob], group=group)
+    groups = q.shape[1] // k.shape[1]  # grouped-query attention: query head n uses n // groups
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     scores = torch.einsum("bhge,bhje->bhgj", qg, k) / math.sqrt(ek)
     allowed = real[:, None, None, :]  # (b, 1, 1, n)
     if causal:

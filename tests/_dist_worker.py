@@ -97,9 +97,15 @@ SP_CASES = {
     "global_causal": ({"window_size": 2, "num_global_tokens": 2, "causal": True}, False),
     # on 4 ranks rank 1's left halo reaches back into the global tokens
     "global_wide": ({"window_size": 5, "num_global_tokens": 2}, True),
+    # rotary positions at each shard's absolute offset, grouped-query attention
+    "rotary_gqa_global": (
+        {"window_size": 3, "num_global_tokens": 2, "num_kv_heads": 1, "position": "rotary"},
+        True,
+    ),
     # full attention: all-to-all over heads (4 heads: one per rank on 4 ranks)
     "full": ({"full": True}, True),
     "full_causal": ({"full": True}, False),
+    "full_rotary": ({"full": True, "position": "rotary"}, True),
 }
 SP_LENGTH = 24  # 12 per rank on 2 ranks, 6 on 4
 
@@ -109,7 +115,7 @@ def build_sp(name: str) -> tuple[LocalAttention, torch.Tensor, torch.Tensor | No
     kwargs, padded = SP_CASES[name]
     torch.manual_seed(2)
     if kwargs.get("full"):
-        attn = MultiHeadAttention(D, 4).to(DTYPE).eval()
+        attn = MultiHeadAttention(D, 4, position=kwargs.get("position")).to(DTYPE).eval()
     else:
         attn = LocalAttention(D, H, **kwargs).to(DTYPE).eval()
     gen = torch.Generator().manual_seed(3)
