@@ -111,7 +111,7 @@ def _tokens(length: int, seed: int) -> tuple[Tokens]:
 
 # --- recompilation: four lengths, four padding patterns --------------------------------
 #
-# Under real inductor the modules are compiled as users do by default (``dynamic=None``):
+# Under real inductor the Encoder is compiled as users do by default (``dynamic=None``):
 # the first call compiles for its static shapes and the first new length recompiles once
 # with L dynamic ("automatic dynamic"); the last two lengths must reuse that graph. This is
 # also the cheapest way through inductor on the CPU (``dynamic=True`` from the start makes
@@ -140,26 +140,22 @@ def test_inductor_encoder_four_lengths_at_most_one_recompile(device):
 
 
 @pytest.mark.slow
-def test_inductor_local_attention_four_lengths_at_most_one_recompile(device):
-    """LocalAttention under inductor, forward. Inductor needs minutes on two CPU cores for
-    its backward graph, so gradients of the same capture are checked under aot_eager below
-    (and benchmarks/compile.py runs inductor fwd+bwd and compares it with eager)."""
+def test_inductor_local_attention_matches_eager(device):
+    """LocalAttention under inductor, forward at one length. Inductor needs minutes on two CPU
+    cores for its dynamic-shape and backward graphs, so those are checked under aot_eager
+    below (the same Dynamo capture, hence the same recompilation guards), and
+    benchmarks/compile.py runs inductor fwd + bwd and compares it with eager."""
     model = _KeyPadding(LocalAttention(D, H, window_size=3).to(device))
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    frames = []
+    compiled = torch.compile(model, fullgraph=True)
+    x, real = _x(LOCAL_LENGTHS[0], 0).to(device), _padding(2, LOCAL_LENGTHS[0], 0).to(device)
     with torch.no_grad():
-        for seed, length in enumerate(LOCAL_LENGTHS):
-            x, real = _x(length, seed).to(device), _padding(2, length, seed).to(device)
-            torch.testing.assert_close(compiled(x, real)[0], model(x, real)[0],
-                                       atol=2e-5, rtol=1e-4)
-            frames.append(counter.frame_count)
-    assert frames[-1] - frames[0] <= 1, f"recompiled: frames after each length {frames}"
+        torch.testing.assert_close(compiled(x, real)[0], model(x, real)[0], atol=2e-5,
+                                   rtol=1e-4)
 
 
-@pytest.mark.parametrize("global_tokens", [0, 2])
-def test_local_attention_dynamic_true_never_recompiles(global_tokens):
-    model = _KeyPadding(LocalAttention(D, H, window_size=3, num_global_tokens=global_tokens))
+def test_local_attention_dynamic_true_never_recompiles():
+    """Four lengths and padding patterns, fwd + bwd, global tokens: one capture."""
+    model = _KeyPadding(LocalAttention(D, H, window_size=3, num_global_tokens=2))
 
     def make(length, seed):
         return _x(length, seed), _padding(2, length, seed)
