@@ -77,6 +77,12 @@ def test_tokens_pytree_roundtrip_keeps_meta_and_finds_meta_tensors():
     spec_back = pytree.treespec_loads(pytree.treespec_dumps(spec))
     assert spec_back == spec
 
+    packed = Tokens.from_packed(torch.randn(5, 4), torch.tensor([0, 2, 5]), {"grid": (1, 5)})
+    leaves, spec = pytree.tree_flatten(packed)
+    assert len(leaves) == 1 and leaves[0].is_nested  # mask None has no leaf
+    back = pytree.tree_unflatten(leaves, spec)
+    assert back.is_packed and back.mask is None and back.meta == {"grid": (1, 5)}
+
 
 def test_export_and_checkpoint_see_through_tokens(tmp_path):
     block = TransformerBlock(8, 2).eval()
