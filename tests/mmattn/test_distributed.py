@@ -79,7 +79,7 @@ def test_tokens_pytree_roundtrip_keeps_meta_and_finds_meta_tensors():
 
     packed = Tokens.from_packed(torch.randn(5, 4), torch.tensor([0, 2, 5]), {"grid": (1, 5)})
     leaves, spec = pytree.tree_flatten(packed)
-    assert len(leaves) == 1 and leaves[0].is_nested  # mask None has no leaf
+    assert len(leaves) == 2 and leaves[0].is_nested and leaves[1] is None  # x, mask
     back = pytree.tree_unflatten(leaves, spec)
     assert back.is_packed and back.mask is None and back.meta == {"grid": (1, 5)}
 
