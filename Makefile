@@ -21,10 +21,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # The suite runs with the fused-attention switch both ways; the second run skips the
-# examples, which do not depend on the switch beyond what tests/mmattn covers.
+# examples, which do not depend on the switch beyond what tests/mmattn covers, and the
+# slow tests (the inductor sweep; the aot_eager sweep still compiles the explicit path).
 test: $(STAMP) lint
 	MMATTN_FUSED_ATTN=1 $(PY) -m pytest $(PYTEST_ARGS)
-	MMATTN_FUSED_ATTN=0 $(PY) -m pytest $(PYTEST_ARGS) tests/mmattn tests/adapters
+	MMATTN_FUSED_ATTN=0 $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests/mmattn tests/adapters
 
 demo: $(STAMP)
 	$(PY) -m examples.demo
