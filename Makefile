@@ -38,7 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/adapters.py --rounds 15 --write-docs
 	$(PY) benchmarks/variants.py --write-docs
 	$(PY) benchmarks/decode.py --write-docs
-	$(PY) benchmarks/varlen.py
+	$(PY) benchmarks/varlen.py --write-docs
 	$(PY) benchmarks/compile.py --write-docs
 	$(PY) benchmarks/seqpar.py --write-docs
 

@@ -19,23 +19,26 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 
-def interleaved_medians(
+def interleaved_samples(
     contenders: Mapping[str, Callable[[], object]],
     repeats: int,
     warmup: int = 1,
     seed: int = 0,
     sync: Callable[[], object] | None = None,
-) -> dict[str, float]:
-    """Median wall time in seconds of each zero-argument callable, run interleaved.
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and process-CPU seconds of every run of each zero-argument callable, interleaved.
 
     ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the clock starts and stops, so
-    asynchronous devices are timed for their work, not for the launch.
+    asynchronous devices are timed for their work, not for the launch. On a shared machine
+    another process's load stretches wall time but hardly this process's CPU time, so with
+    one torch thread the CPU-time ratios are the steadier ones.
     """
     sync = sync or (lambda: None)
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
+    wall: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu: dict[str, list[float]] = {name: [] for name in contenders}
     order = list(contenders)
     rng = random.Random(seed)
     for _ in range(repeats):
@@ -43,11 +46,24 @@ def interleaved_medians(
         for name in order:
             gc.collect()
             sync()
-            start = time.perf_counter()
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
             contenders[name]()
             sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            wall[name].append(time.perf_counter() - start_wall)
+            cpu[name].append(time.process_time() - start_cpu)
+    return wall, cpu
+
+
+def interleaved_medians(
+    contenders: Mapping[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    seed: int = 0,
+    sync: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Median wall time in seconds of each callable, run interleaved (interleaved_samples)."""
+    wall, _ = interleaved_samples(contenders, repeats, warmup, seed, sync)
+    return {name: statistics.median(ts) for name, ts in wall.items()}
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

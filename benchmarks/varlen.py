@@ -4,59 +4,28 @@ B sequences with log-normal lengths (mean ≈ 200, max ≈ 650 at the defaults),
 Contenders run interleaved (benchmarks/_harness.py); we report median times, ratios and the
 peak memory each allocates (tracked by a CPU allocation hook: torch.profiler memory stats).
 
-    python benchmarks/varlen.py            # the full table, written into docs/performance.md
-    python benchmarks/varlen.py --quick    # small sizes, prints only
+    python benchmarks/varlen.py --write-docs   # the full table, into docs/performance.md
+    python benchmarks/varlen.py --quick        # small sizes, prints only
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import random
-import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._harness import markdown_table  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    add_docs_argument,
+    interleaved_samples,
+    markdown_table,
+    write_docs,
+)
 from mmattn import LocalAttention, MultiHeadAttention, Tokens, TransformerBlock  # noqa: E402
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
-START, END = "<!-- bench:varlen:start -->", "<!-- bench:varlen:end -->"
-
-
-def interleaved_times(contenders, repeats: int, warmup: int = 1, seed: int = 0):
-    """Median wall and CPU seconds of each callable, run interleaved in shuffled order.
-
-    Like ``benchmarks._harness.interleaved_medians``, plus the process CPU time: on a shared
-    machine another process's load stretches wall time but hardly this process's CPU time,
-    so the CPU-time ratios are the steadier ones (with one torch thread they measure the
-    same work).
-    """
-    for fn in contenders.values():
-        for _ in range(warmup):
-            fn()
-    wall = {name: [] for name in contenders}
-    cpu = {name: [] for name in contenders}
-    order = list(contenders)
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(order)
-        for name in order:
-            gc.collect()
-            start_wall, start_cpu = time.perf_counter(), time.process_time()
-            contenders[name]()
-            wall[name].append(time.perf_counter() - start_wall)
-            cpu[name].append(time.process_time() - start_cpu)
-    return (
-        {name: statistics.median(ts) for name, ts in wall.items()},
-        {name: statistics.median(ts) for name, ts in cpu.items()},
-    )
 
 
 def lengths(batch: int, mean: float, longest: int, seed: int = 0) -> list[int]:
@@ -138,24 +107,9 @@ def contenders(lens: list[int], dim: int, heads: int, window: int):
     }
 
 
-def write_section(text: str) -> None:
-    """Replace the text between the varlen markers in docs/performance.md (append if absent).
-
-    benchmarks/_harness.py has no shared section writer on this branch; this is the small
-    one this benchmark needs.
-    """
-    doc = DOC.read_text()
-    block = f"{START}\n{text}\n{END}"
-    if START in doc and END in doc:
-        doc = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    DOC.write_text(doc)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, no doc update")
+    parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
@@ -163,6 +117,7 @@ def main() -> None:
         help="torch threads (default 1: on a shared, loaded machine more threads make "
              "OpenMP wait on each other and the timings meaningless; 0: torch's default)",
     )
+    add_docs_argument(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,7 +129,9 @@ def main() -> None:
         repeats = args.repeats
     lens = lengths(batch, mean, longest)
     runs = contenders(lens, dim, heads, window)
-    walls, times = interleaved_times(runs, repeats=repeats, warmup=1)
+    wall_runs, cpu_runs = interleaved_samples(runs, repeats=repeats, warmup=1)
+    walls = {name: statistics.median(ts) for name, ts in wall_runs.items()}
+    times = {name: statistics.median(ts) for name, ts in cpu_runs.items()}
     peaks = {name: peak_bytes(fn) for name, fn in runs.items()}
     real, padded = sum(lens), batch * max(lens)
     scores_real, scores_padded = sum(n * n for n in lens), batch * max(lens) ** 2
@@ -221,12 +178,8 @@ def main() -> None:
     )
     print(facts)
     print(table)
-    if not args.quick:
-        command = "python benchmarks/varlen.py" + (
-            f" --threads {args.threads}" if args.threads != 1 else ""
-        )
-        write_section(f"Command: `{command}`\n\n{facts}\n\n{table}")
-        print(f"wrote {DOC}")
+    if args.write_docs:
+        write_docs("varlen", f"{facts}\n\n{table}")
 
 
 if __name__ == "__main__":
