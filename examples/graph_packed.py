@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from adapters import GraphNodeSequencer
 from examples._common import Result, Timer, main_for, progress, seed_everything
-from examples.graph_sbm import GraphClassifier, sbm_dataset
+from examples.graph_sbm import GraphClassifier, graph_accuracy, sbm_dataset
 from mmattn import Encoder, masked_mean
 
 EXAMPLE = "graph_packed"
@@ -96,14 +96,6 @@ def train_both(models: dict[str, nn.Module], graphs, epochs: int, batch_size: in
     return {k: sorted(v)[len(v) // 2] for k, v in seconds.items()}
 
 
-@torch.no_grad()
-def accuracy(model: nn.Module, graphs, device) -> float:
-    from torch_geometric.data import Batch
-
-    batch = Batch.from_data_list(graphs).to(device)
-    return float((model(batch).argmax(-1) == batch.y).float().mean())
-
-
 def run(
     device: torch.device | str = "cpu",
     seed: int = 0,
@@ -124,7 +116,7 @@ def run(
     packed = PackedGraphClassifier(1, 2).to(device)
     per_epoch = train_both({"packed": packed, "padded": padded}, train, epochs, 32, 3e-3,
                            show_progress, generator)
-    acc, acc_padded = accuracy(packed, test, device), accuracy(padded, test, device)
+    acc, acc_padded = graph_accuracy(packed, test, device), graph_accuracy(padded, test, device)
     speedup = per_epoch["padded"] / per_epoch["packed"]
     model_speedup = per_epoch["padded/model"] / per_epoch["packed/model"]
     print(f"SBM 2 vs 3 communities, packed: held-out accuracy {acc:.3f} "

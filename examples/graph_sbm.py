@@ -109,7 +109,8 @@ def _train_graphs(model, graphs, epochs, batch_size, lr, show, generator) -> Non
 
 
 @torch.no_grad()
-def _graph_accuracy(model, graphs, device) -> float:
+def graph_accuracy(model: nn.Module, graphs, device) -> float:
+    """Test accuracy of a graph classifier over ``graphs``, batched once."""
     from torch_geometric.data import Batch
 
     batch = Batch.from_data_list(graphs).to(device)
@@ -171,7 +172,7 @@ def run(
     test = sbm_dataset(n_test, generator)
     model = GraphClassifier(1, 2).to(device)
     _train_graphs(model, train, epochs, 32, 3e-3, show_progress, generator)
-    acc = _graph_accuracy(model, test, device)
+    acc = graph_accuracy(model, test, device)
     sbm_seconds = timer.seconds
     print(f"SBM 2 vs 3 communities: held-out accuracy {acc:.3f} on {n_test} graphs")
 
