@@ -239,7 +239,7 @@ def softmax_attend(
             scores = scores.add_(mask) if in_place else scores + mask
     if scores.dtype in (torch.float16, torch.bfloat16):
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    elif in_place and scores.is_contiguous():
+    elif in_place:
         # Inference: softmax in place. A fresh (..., i, j) buffer costs page faults that take
         # longer than the softmax itself on the CPU.
         weights = torch._softmax(scores, -1, False, out=scores)
