@@ -32,7 +32,7 @@ def _doctest_torch(request: pytest.FixtureRequest, doctest_namespace: dict):
     if not isinstance(request.node, DoctestItem):
         yield
         return
-    from mmattn import _kernel
+    from mmattn.kernels import dense as _kernel
 
     with _kernel.fused_attn(True):
         yield

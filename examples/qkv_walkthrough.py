@@ -131,7 +131,7 @@ def run(
         local_out, mha(x[None], attn_mask=hidden)[0][0]
     )
     try:
-        from mmattn.local import LocalAttention
+        from mmattn.attention.local import LocalAttention
 
         local = LocalAttention(embed_dim, 1, window_size).to(device)
         local.load_state_dict(mha.state_dict())

@@ -1,16 +1,16 @@
 """mmattn: multi-modal attention components for PyTorch."""
 
 from mmattn import cache, debug, distributed, functional, masks, position, registry, rotary
-from mmattn.additive import AdditiveAttention
-from mmattn.attention import MultiHeadAttention
-from mmattn.blocks import CrossAttentionBlock, Encoder, TransformerBlock
-from mmattn.cross import CrossAttention
-from mmattn.fusion import MultiModalEncoder
-from mmattn.linformer import LinformerAttention
-from mmattn.local import LocalAttention
-from mmattn.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
+from mmattn.attention.additive import AdditiveAttention
+from mmattn.attention.cross import CrossAttention
+from mmattn.attention.linformer import LinformerAttention
+from mmattn.attention.local import LocalAttention
+from mmattn.attention.mha import MultiHeadAttention
+from mmattn.blocks.fusion import MultiModalEncoder
+from mmattn.blocks.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
+from mmattn.blocks.transformer import CrossAttentionBlock, Encoder, TransformerBlock
+from mmattn.integrations.torch import replace_attention
 from mmattn.registry import available_attention, register_attention
-from mmattn.replace import replace_attention
 from mmattn.tokens import Tokens
 
 __version__ = "0.1.0"

@@ -8,9 +8,10 @@ Unlike plain SDPA math, a query row with no allowed key returns zeros (and zero 
 its gradients stay finite.
 
 These functions validate their arguments and call the unchecked kernel in
-:mod:`mmattn._kernel` (dense) or :mod:`mmattn._blocked` (sliding window). The fused / explicit
-switch lives there and is re-exported here: :func:`use_fused_attn`, :func:`set_fused_attn`,
-:func:`fused_attn` (``MMATTN_FUSED_ATTN=0`` in the environment forces the explicit path).
+:mod:`mmattn.kernels.dense` (dense) or :mod:`mmattn.kernels.blocked` (sliding window). The
+fused / explicit switch lives there and is re-exported here: :func:`use_fused_attn`,
+:func:`set_fused_attn`, :func:`fused_attn` (``MMATTN_FUSED_ATTN=0`` in the environment forces
+the explicit path).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Literal, overload
 
 from torch import Tensor
 
-from mmattn._blocked import local_attend
 from mmattn._checks import (
     check_bool,
     check_floating,
@@ -32,7 +32,8 @@ from mmattn._checks import (
     check_same_dtype,
     check_tensor,
 )
-from mmattn._kernel import attend, fused_attn, set_fused_attn, use_fused_attn
+from mmattn.kernels.blocked import local_attend
+from mmattn.kernels.dense import attend, fused_attn, set_fused_attn, use_fused_attn
 
 __all__ = [
     "local_attention",
@@ -214,7 +215,7 @@ def local_attention(
 
     Equal to :func:`scaled_dot_product_attention` with
     ``attn_mask=masks.band_mask(L, window_size, causal=causal) & key_mask`` but computed
-    blockwise (:mod:`mmattn._blocked`), so no (L, L) tensor is built. A query whose window
+    blockwise (:mod:`mmattn.kernels.blocked`), so no (L, L) tensor is built. A query whose window
     holds no real key returns zeros. ``MMATTN_FUSED_ATTN=0`` selects the explicit path.
 
     Args:

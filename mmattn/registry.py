@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from mmattn.additive import AdditiveAttention
-from mmattn.attention import MultiHeadAttention
-from mmattn.linformer import LinformerAttention
-from mmattn.local import LocalAttention
+from mmattn.attention.additive import AdditiveAttention
+from mmattn.attention.linformer import LinformerAttention
+from mmattn.attention.local import LocalAttention
+from mmattn.attention.mha import MultiHeadAttention
 
 __all__ = ["AttentionSpec", "available_attention", "build_attention", "register_attention"]
 

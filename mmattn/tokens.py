@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmattn import _packed, _pytree
+from mmattn import _pytree
 from mmattn._checks import (
     check_matches_params,
     check_meta,
@@ -31,6 +31,7 @@ from mmattn._checks import (
     check_shape,
     check_tensor,
 )
+from mmattn.kernels import packed as _packed
 
 #: meta keys that ``Tokens.cat`` of a mapping writes itself; no part may be named so.
 RESERVED_NAMES = ("spans",)

@@ -1,4 +1,4 @@
-"""Worker processes for tests/mmattn/test_distributed.py (gloo on the CPU).
+"""Worker processes for tests/mmattn/distributed/test_sequence_parallel.py (gloo on the CPU).
 
 :func:`launch` starts ``world`` processes that each run :func:`_main`: join a gloo group, run
 the named scenarios, and ``torch.save`` what they computed (outputs, gradients, error

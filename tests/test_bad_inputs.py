@@ -477,7 +477,8 @@ def test_bad_input(outcome: str, run: Callable[[], Any]) -> None:
 #: Public names outside the matrix, and why. Anything public that is neither a subject nor
 #: listed here fails :func:`test_every_public_name_is_in_the_matrix`.
 NOT_IN_MATRIX = {
-    "debug.": "every name: takes a module and a call, not tensors (tests/mmattn/test_debug.py)",
+    "debug.": "every name: takes a module and a call, not tensors "
+              "(tests/mmattn/debug/test_hooks.py)",
     "functional.use_fused_attn": "the path switch, no input",
     "functional.set_fused_attn": "the path switch, no input",
     "functional.fused_attn": "the path switch, no input",
@@ -489,10 +490,11 @@ NOT_IN_MATRIX = {
     "position.position_1d": "a factory of the position subjects (named cases)",
     "rotary.resolve_position": "the position= argument, checked by the attention modules "
                                "(tests/mmattn/test_rotary.py)",
-    "registry.build_attention": "a name or factory and sizes (tests/mmattn/test_registry.py)",
-    "replace_attention": "takes a model, not tensors (tests/mmattn/test_interop.py)",
+    "registry.build_attention": "a name or factory and sizes "
+                                "(tests/mmattn/attention/test_registry.py)",
+    "replace_attention": "takes a model, not tensors (tests/mmattn/integrations/test_torch.py)",
     "available_attention": "no input",
-    "register_attention": "a name and a class (tests/mmattn/test_registry.py)",
+    "register_attention": "a name and a class (tests/mmattn/attention/test_registry.py)",
     "adapters.adapter_class": "a name, checked as adapters.create's (named case)",
     "adapters.GraphNodeSequencer": "takes a torch_geometric Data (named cases)",
     "adapters.ModalityAdapter": "the base class (named case: an adapter without parameters)",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmattn import _kernel
+from mmattn.kernels import dense as _kernel
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)

@@ -1,0 +1,368 @@
+"""The packed forward of every attention module: jagged nested query, key and value.
+
+Axis key: ``b`` batch, ``t`` packed tokens, ``h`` query heads, ``k`` key heads, ``e`` head
+width, ``d`` model width, ``n`` items in a bucket, ``i``/``j`` padded query/key length.
+
+``MultiHeadAttention.forward`` (and so every variant) hands jagged input here. The
+projections run on the packed ``values()``; attention runs per bucket of similar lengths
+(:mod:`mmattn.kernels.packed`) through the module's own ``_attention`` hook, so LocalAttention,
+AdditiveAttention and LinformerAttention keep their kernels; the plain dot-product hook calls
+SDPA directly (or torch's jagged SDPA on CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from mmattn.attention._packed_checks import (
+    check_attn_mask,
+    check_module_rules,
+    check_packed,
+    check_values,
+)
+from mmattn.kernels import dense as _kernel
+from mmattn.kernels.blocked import default_block_size
+from mmattn.kernels.packed import (
+    Bucket,
+    contiguous_parts,
+    jagged,
+    jagged_sdpa,
+    layout,
+    report,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmattn.tokens import Tokens
+
+
+@torch.compiler.disable(recursive=False)  # plans eagerly; the calls it makes are compiled
+def packed_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None,
+    need_weights: bool,
+    attn_mask: Tensor | None,
+    average_attn_weights: bool,
+    is_causal: bool,
+) -> tuple[Tensor, list[Tensor] | None]:
+    """Attention on packed (jagged) input; see ``MultiHeadAttention.forward``.
+
+    Shape:
+        - query: (b, i*, embed_dim) jagged; key: (b, j*, kdim); value: (b, j*, vdim), key and
+          value with the same offsets
+        - attn_mask: (max i, max j) or (b · h, max i, max j), applied to each item's top-left
+          corner as it would be to the padded batch
+        - returns: (b, i*, embed_dim) jagged with the query's offsets, and when
+          ``need_weights`` a list of b tensors (i_m, j_m), or (h, i_m, j_m) per head
+    """
+    check_packed(module, query, key, value, key_padding_mask)
+    qv, q_off = contiguous_parts(query)
+    kv, k_off = (qv, q_off) if key is query else contiguous_parts(key)
+    vv, v_off = (kv, k_off) if value is key else contiguous_parts(value)
+    if v_off is not k_off and not torch.equal(k_off, v_off):
+        raise ValueError(
+            f"key and value must have the same lengths per item, got key lengths "
+            f"{k_off.diff().tolist()} and value lengths {v_off.diff().tolist()}"
+        )
+    out, weights = attend_values(
+        module, qv, q_off, kv, k_off, vv, need_weights=need_weights, attn_mask=attn_mask,
+        average_attn_weights=average_attn_weights, is_causal=is_causal,
+        self_attention=query is key and key is value,
+    )
+    return jagged(out, q_off), weights
+
+
+@torch.compiler.disable(recursive=False)
+def attend_values(
+    module: nn.Module,
+    qv: Tensor,
+    q_off: Tensor,
+    kv: Tensor,
+    k_off: Tensor,
+    vv: Tensor,
+    *,
+    need_weights: bool = False,
+    attn_mask: Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+    self_attention: bool = False,
+) -> tuple[Tensor, list[Tensor] | None]:
+    """:func:`packed_forward` on the packed rows themselves (no nested tensor in or out).
+
+    Blocks call this directly: wrapping and unwrapping jagged tensors costs more than a
+    small attention call. ``self_attention`` says that q, k and v are the same rows.
+
+    Shape:
+        - qv: (t_q, embed_dim); kv: (t_k, kdim); vv: (t_k, vdim); offsets (b + 1,)
+        - returns: (t_q, embed_dim), and the per-item weights or None
+    """
+    check_values(module, qv, kv, vv)
+    q_lens = q_off.diff().tolist()
+    k_lens = q_lens if self_attention else k_off.diff().tolist()
+    check_module_rules(module, q_lens, k_lens, is_causal)
+    attn_mask = check_attn_mask(module, attn_mask, q_lens, k_lens, qv)
+    e = module.head_dim
+    dropout_p = module.dropout if module.training else 0.0
+    extra = _num_extra(module)
+    plain = _plain_hook(module)
+    # A position module on q and k after the head split (``position(x, offset)``, x (b, h, l,
+    # e)), where an attention class has one: per bucket each item starts at position 0.
+    position = getattr(module, "position", None)
+    position = position if callable(position) else None
+    direct = plain and _kernel.use_fused_attn() and not need_weights and extra == 0
+    facts = {"q_lengths": q_lens, "k_lengths": k_lens, "is_causal": is_causal}
+
+    jagged_ok = direct and attn_mask is None and position is None and qv.is_cuda
+    jagged_ok = jagged_ok and getattr(module, "num_kv_heads", module.num_heads) == module.num_heads
+    fallback = []
+    if jagged_ok and min(q_lens + k_lens, default=0) > 0 and (not is_causal or q_lens == k_lens):
+        q, k, v = (
+            rearrange(proj(t), "t (h e) -> t h e", e=e)
+            for proj, t in ((module.q_proj, qv), (module.k_proj, kv), (module.v_proj, vv))
+        )
+        try:
+            out = jagged_sdpa(q, k, v, q_off, k_off, dropout_p=dropout_p, is_causal=is_causal)
+        except (RuntimeError, NotImplementedError, ValueError) as error:  # no kernel fits
+            fallback = [f"torch's jagged SDPA refused these inputs: {error}"]
+        else:
+            report("jagged-sdpa", [], **facts)
+            return module.out_proj(rearrange(out, "t h e -> t (h e)")), None
+
+    plan_k = [length + extra for length in k_lens]
+    plan_of = layout(
+        tuple(q_lens), tuple(plan_k), tuple(k_lens), _cost_key(module), module.embed_dim,
+        qv.device,
+    )
+    buckets = plan_of.buckets
+    if _kernel.reporting():
+        reasons = fallback + (
+            [] if direct else ["the module's own attention kernel runs per bucket"]
+        )
+        sizes = [(len(b.items), b.q_len, b.k_len) for b in buckets]
+        report("buckets" if direct else "buckets-module", reasons, buckets=sizes, **facts)
+
+    # Gather every bucket's padded rows at once, then project: one gather (one scatter in
+    # backward) per input, and self-attention shares its gather.
+    q_rows = qv.index_select(0, plan_of.q_index)
+    if self_attention and extra == 0:
+        k_rows = v_rows = q_rows
+    else:
+        if kv.shape[0] == 0:  # only appended keys exist: gather from one (masked) zero row
+            kv, vv = kv.new_zeros(1, kv.shape[1]), vv.new_zeros(1, vv.shape[1])
+        k_rows = kv.index_select(0, plan_of.k_index)
+        v_rows = k_rows if kv is vv else vv.index_select(0, plan_of.k_index)
+    q_sizes = [len(b.items) * b.q_len for b in buckets]
+    k_sizes = [len(b.items) * b.k_len for b in buckets]
+    qs = module.q_proj(q_rows).split(q_sizes)
+    ks = module.k_proj(k_rows).split(k_sizes)
+    vs = module.v_proj(v_rows).split(k_sizes)
+    extra_k, extra_v = _extra_keys(module, e, qv.dtype, qv.device)
+
+    outs, bucket_weights = [], []
+    for index, bucket in enumerate(buckets):
+        n = len(bucket.items)
+        qb = rearrange(qs[index], "(n i) (h e) -> n h i e", n=n, e=e)
+        kb = rearrange(ks[index], "(n j) (k e) -> n k j e", n=n, e=e)
+        vb = rearrange(vs[index], "(n j) (k e) -> n k j e", n=n, e=e)
+        if position is not None:
+            qb, kb = position(qb, 0), position(kb, 0)
+        mask = plan_of.key_masks[index]
+        causal = is_causal
+        if attn_mask is not None:
+            mask = _combine(mask, _bucket_attn_mask(attn_mask, bucket, module.num_heads))
+        if extra:
+            if causal:
+                mask = _kernel.with_causal(mask, bucket.q_len, bucket.k_len, qb.device)
+                causal = False
+            kb = torch.cat([kb, extra_k.expand(n, -1, -1, -1)], dim=2)
+            vb = torch.cat([vb, extra_v.expand(n, -1, -1, -1)], dim=2)
+            mask = _open_extra(mask, n, bucket, extra, qb.device)
+        if direct:  # padded keys repeat the item's own rows: no dead keys to clear
+            if mask is not None and causal:
+                mask = _kernel.with_causal(mask, bucket.q_len, bucket.k_len, qb.device)
+                causal = False
+            live = None
+            if attn_mask is not None:  # the user's mask may leave a row without keys
+                live = _kernel.live_rows(mask)
+                mask = _kernel.open_dead_rows(mask, live)
+            out = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                enable_gqa=qb.shape[1] != kb.shape[1],
+            )
+            if live is not None:
+                out = torch.where(live, out, 0.0)
+        else:
+            out, w = module._attention(
+                qb, kb, vb, mask, is_causal=causal, dropout_p=dropout_p,
+                need_weights=need_weights,
+            )
+            if w is not None:
+                bucket_weights.append((index, w))
+        outs.append(rearrange(out, "n h i e -> (n i) (h e)"))
+    outs.append(qv.new_zeros(1, module.embed_dim))  # the result of items without keys
+    out = torch.cat(outs).index_select(0, plan_of.rows)
+    out = module.out_proj(out)
+    if not need_weights:
+        return out, None
+    maps = _item_weights(module, bucket_weights, buckets, q_lens, k_lens, extra, qv)
+    if average_attn_weights:
+        maps = [w.mean(dim=0) for w in maps]
+    return out, maps
+
+
+def _defining_class(module: nn.Module, name: str) -> type | None:
+    """The class in ``module``'s MRO that defines ``name`` (no import of the attention
+    module here: it imports this one)."""
+    for cls in type(module).__mro__:
+        if name in vars(cls):
+            return cls
+    return None
+
+
+def _is_base(cls: type | None) -> bool:
+    return cls is not None and (cls.__module__, cls.__qualname__) == (
+        "mmattn.attention.mha", "MultiHeadAttention"
+    )
+
+
+def _plain_hook(module: nn.Module) -> bool:
+    """True when the module keeps ``MultiHeadAttention``'s own ``_attention`` (plain SDPA)."""
+    return _is_base(_defining_class(module, "_attention"))
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """True for a :class:`mmattn.MultiHeadAttention` or any subclass (any variant)."""
+    return any(_is_base(cls) for cls in type(module).__mro__)
+
+
+def _cost_key(module: nn.Module) -> tuple:
+    """What the planner needs to know of a band: (window, block, global tokens), or ()."""
+    window = getattr(module, "window_size", None)
+    if window is None:
+        return ()
+    block = module.block_size or default_block_size(window)
+    return (window, block, module.num_global_tokens)
+
+
+def _num_extra(module: nn.Module) -> int:
+    """How many keys ``add_bias_kv`` and ``add_zero_attn`` append to every item."""
+    return int(getattr(module, "bias_k", None) is not None) + int(
+        bool(getattr(module, "add_zero_attn", False))
+    )
+
+
+def _extra_keys(module: nn.Module, e: int, dtype, device) -> tuple[Tensor | None, Tensor | None]:
+    """The keys/values appended to every item: ``bias_k``/``bias_v``, then the zero key.
+
+    Shape:
+        - returns: (1, h, extra, e) each, or None
+    """
+    keys, values = [], []
+    heads = getattr(module, "num_kv_heads", module.num_heads)
+    if getattr(module, "bias_k", None) is not None:
+        keys.append(rearrange(module.bias_k, "1 1 (k e) -> 1 k 1 e", e=e))
+        values.append(rearrange(module.bias_v, "1 1 (k e) -> 1 k 1 e", e=e))
+    if getattr(module, "add_zero_attn", False):
+        keys.append(torch.zeros(1, heads, 1, e, dtype=dtype, device=device))
+        values.append(torch.zeros(1, heads, 1, e, dtype=dtype, device=device))
+    if not keys:
+        return None, None
+    return torch.cat(keys, dim=2).to(dtype), torch.cat(values, dim=2).to(dtype)
+
+
+def _open_extra(mask: Tensor | None, n: int, bucket: Bucket, extra: int, device) -> Tensor:
+    """Extend a bucket mask over ``extra`` appended, always-visible key columns."""
+    if mask is None:
+        mask = torch.ones(n, 1, 1, bucket.k_len, dtype=torch.bool, device=device)
+    fill = True if mask.dtype == torch.bool else 0.0
+    pad = mask.new_full((*mask.shape[:-1], extra), fill)
+    return torch.cat([mask, pad], dim=-1)
+
+
+def _combine(key_mask: Tensor | None, mask: Tensor) -> Tensor:
+    """SDPA-direction key mask AND a bool or additive attention mask."""
+    if key_mask is None:
+        return mask
+    if mask.dtype == torch.bool:
+        return key_mask & mask
+    return mask.masked_fill(~key_mask, float("-inf"))
+
+
+def _bucket_attn_mask(attn_mask: Tensor, bucket: Bucket, num_heads: int) -> Tensor:
+    """The top-left (i, j) corner of a module-direction attn_mask, in the SDPA direction."""
+    if attn_mask.dim() == 2:
+        corner = attn_mask[None, None, : bucket.q_len, : bucket.k_len]
+    else:
+        items = torch.tensor(bucket.items, dtype=torch.long, device=attn_mask.device)
+        grouped = rearrange(attn_mask, "(b h) i j -> b h i j", h=num_heads)
+        corner = grouped.index_select(0, items)[:, :, : bucket.q_len, : bucket.k_len]
+    return ~corner if corner.dtype == torch.bool else corner
+
+
+def _item_weights(module, bucket_weights, buckets, q_lens, k_lens, extra, like) -> list[Tensor]:
+    """Per-item (h, i_m, key columns) maps in batch order: real keys then appended keys."""
+    projected = getattr(module, "proj_len", None)  # Linformer: weights over its slots
+    heads = module.num_heads
+    maps: list[Tensor | None] = [None] * len(q_lens)
+    for index, w in bucket_weights:
+        bucket = buckets[index]
+        for slot, m in enumerate(bucket.items):
+            item = w[slot, :, : q_lens[m]]
+            if projected is None:
+                item = torch.cat([item[..., : k_lens[m]], item[..., bucket.k_len:]], dim=-1)
+            maps[m] = item
+    for m, found in enumerate(maps):
+        if found is None:  # no query or no key: nothing attended
+            width = projected if projected is not None else k_lens[m] + extra
+            maps[m] = like.new_zeros(heads, q_lens[m], width)
+    return maps
+
+
+# ---------------------------------------------------------------------- for blocks
+
+
+def check_same_layout(name: str, tokens: Tokens, other_name: str, other: Tokens) -> None:
+    """Raise TypeError when one of two Tokens is packed and the other padded."""
+    if tokens.is_packed != other.is_packed:
+        kinds = {True: "packed", False: "padded"}
+        raise TypeError(
+            f"{name} is {kinds[tokens.is_packed]} but {other_name} is "
+            f"{kinds[other.is_packed]}; pack() or unpack() both"
+        )
+
+
+def map_packed(tokens: Tokens, fn) -> Tokens:
+    """Packed Tokens with ``fn`` applied to the (t, d) values (same offsets and meta)."""
+    values, offsets = contiguous_parts(tokens.x)
+    return tokens.replace(jagged(fn(values), offsets))
+
+
+def attend_packed(
+    attn: nn.Module,
+    values: Tensor,
+    offsets: Tensor,
+    context: tuple[Tensor, Tensor] | None = None,
+    **kwargs,
+) -> Tensor:
+    """Packed attention on the (t, d) rows: self-attention, or over ``context`` rows.
+
+    A :class:`MultiHeadAttention` (any variant) runs its packed kernel on the rows directly;
+    wrapping them in jagged tensors and back costs more than a small attention call. Any
+    other module gets jagged tensors.
+    """
+    if _is_attention(attn):
+        kv, k_off = (values, offsets) if context is None else context
+        out, _ = attend_values(
+            attn, values, offsets, kv, k_off, kv, self_attention=context is None, **kwargs
+        )
+        return out
+    query = jagged(values, offsets)
+    key = query if context is None else jagged(*context)
+    return attn(query, key, key, **kwargs)[0].values()

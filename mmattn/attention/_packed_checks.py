@@ -1,0 +1,123 @@
+"""Input checks of the packed attention path (see :mod:`mmattn.attention._packed`).
+
+Every check raises ``ValueError`` or ``TypeError`` naming the argument and the expected vs
+actual value. Attribute reads on a nested tensor go through ``__torch_function__``, so the
+checks read the nested tensor's own fields once and check the packed rows otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mmattn import _checks as checks
+from mmattn.kernels.packed import is_jagged
+
+PADDED_ALTERNATIVE = (
+    "use is_causal=True for the causal rule, LocalAttention for a band, or Tokens.unpack() "
+    "and pass attn_mask with the padded batch"
+)
+
+
+def check_packed(module, query, key, value, key_padding_mask) -> None:
+    """Mixing, rank, width, dtype and device checks for a packed call."""
+    names = ("query", "key", "value")
+    tensors = (query, key, value)
+    packed = [name for name, t in zip(names, tensors) if is_jagged(t)]
+    padded = [name for name, t in zip(names, tensors) if not is_jagged(t)]
+    if padded:
+        raise TypeError(
+            f"{' and '.join(packed)} {'is' if len(packed) == 1 else 'are'} packed (jagged "
+            f"nested) but {' and '.join(padded)} {'is' if len(padded) == 1 else 'are'} "
+            "padded; pass all packed (Tokens.pack()) or all padded (Tokens.unpack())"
+        )
+    for name, t in zip(names, tensors):
+        if t._ragged_idx != 1 or len(t._size) != 3:
+            raise ValueError(
+                f"{name} must be a packed (batch, length*, dim) jagged tensor, got shape "
+                f"{tuple(t.shape)}"
+            )
+        if t._size[0] != query._size[0]:
+            raise ValueError(
+                f"query, key and value must have the same batch size, got query "
+                f"{query._size[0]} and {name} {t._size[0]}"
+            )
+    if key_padding_mask is not None:
+        raise ValueError(
+            "key_padding_mask must be None for packed (jagged) input: a packed batch has no "
+            "padding; leave the padded keys out of the packed key instead"
+        )
+
+
+def check_values(module, qv: Tensor, kv: Tensor, vv: Tensor) -> None:
+    """Width, dtype and device of the packed rows (cheaper than asking the nested tensors)."""
+    for name, t, width, what in (
+        ("query", qv, module.embed_dim, "embed_dim"),
+        ("key", kv, module.kdim, "kdim"),
+        ("value", vv, module.vdim, "vdim"),
+    ):
+        checks.check_floating(name, t)
+        if t.shape[-1] != width:
+            raise ValueError(
+                f"{name} must have last dimension {what}={width}, got shape "
+                f"(batch, length*, {t.shape[-1]})"
+            )
+    for name, t in (("key", kv), ("value", vv)):
+        checks.check_same_dtype(name, t, "query", qv)
+        checks.check_same_device(name, t, "query", qv)
+    weight = module.q_proj.weight
+    checks.check_same_device("query", qv, "the module's parameters", weight)
+    if qv.dtype != weight.dtype and not torch.is_autocast_enabled():
+        raise TypeError(
+            f"query has dtype {qv.dtype} but the module's parameters have dtype "
+            f"{weight.dtype}; convert one of them (e.g. module.to({qv.dtype}))"
+        )
+
+
+def check_module_rules(module, q_lens: list[int], k_lens: list[int], is_causal: bool) -> None:
+    """The variant rules that the padded path checks on shapes: same lengths, max length."""
+    if getattr(module, "window_size", None) is not None and q_lens != k_lens:
+        raise ValueError(
+            f"{type(module).__name__} needs key of the same length as query for every item, "
+            f"got query lengths {q_lens} and key lengths {k_lens}; use CrossAttention for "
+            "inputs of different lengths"
+        )
+    seq_len = getattr(module, "seq_len", None)
+    if seq_len is not None and getattr(module, "proj_len", None) is not None:
+        if is_causal:
+            raise ValueError(
+                "is_causal=True is not supported by LinformerAttention: the sequence "
+                "projection mixes future keys into every slot"
+            )
+        longest = max(k_lens, default=0)
+        if longest > seq_len:
+            raise ValueError(
+                f"key length must be <= seq_len={seq_len}, got a packed item of length "
+                f"{longest}"
+            )
+
+
+def check_attn_mask(module, attn_mask, q_lens, k_lens, query) -> Tensor | None:
+    """attn_mask for a packed batch: (max i, max j) or (b·h, max i, max j), else ValueError."""
+    if attn_mask is None:
+        return None
+    if getattr(module, "proj_len", None) is not None:
+        raise ValueError(
+            "attn_mask is not supported by LinformerAttention: keys are projected to "
+            f"proj_len={module.proj_len} slots; use key_padding_mask for padding"
+        )
+    checks.check_tensor("attn_mask", attn_mask)
+    checks.check_mask_dtype("attn_mask", attn_mask)
+    checks.check_same_device("attn_mask", attn_mask, "query", query)
+    rows, cols = max(q_lens, default=0), max(k_lens, default=0)
+    stacked = len(q_lens) * module.num_heads
+    if tuple(attn_mask.shape) not in ((rows, cols), (stacked, rows, cols)):
+        raise ValueError(
+            f"attn_mask cannot apply to this packed batch: it must have shape {(rows, cols)} "
+            f"or {(stacked, rows, cols)} (the padded batch's mask, applied to each item's "
+            f"top-left corner), got {tuple(attn_mask.shape)}; {PADDED_ALTERNATIVE}"
+        )
+    if not attn_mask.is_floating_point():
+        return attn_mask
+    return attn_mask.to(query.dtype)
+

@@ -1,0 +1,681 @@
+"""``MultiHeadAttention``: a drop-in replacement for ``torch.nn.MultiheadAttention``.
+
+Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``d`` model width,
+``e`` head width (``d = h * e``).
+
+Mask convention (the module direction, as ``nn.MultiheadAttention``): boolean
+``key_padding_mask`` and ``attn_mask`` are **True where attention is NOT allowed**; float
+masks are added to the scores. ``forward`` merges them once into one SDPA-direction mask
+(True = may attend) and hands it, with the head-split q/k/v, to :meth:`_attention` — the one
+hook a variant overrides. The default hook is the shared kernel :func:`mmattn.kernels.dense.attend`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from mmattn import _checks as checks
+from mmattn._helpers import default
+from mmattn.attention import _interop as interop
+from mmattn.attention._packed import packed_forward
+from mmattn.cache import ContextCache, KVCache, LocalKVCache, check_cache_call
+from mmattn.kernels.dense import attend
+from mmattn.kernels.packed import is_jagged
+from mmattn.masks import causal_mask, merge_masks
+from mmattn.rotary import resolve_position
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.MultiheadAttention):
+    r"""Multi-head attention, a drop-in replacement for ``torch.nn.MultiheadAttention``.
+
+    .. math::
+        \mathrm{out} = W_o\,\mathrm{concat}_h\!\left(
+            \mathrm{softmax}\!\left(\frac{(q W_q^h)(k W_k^h)^\top}{\sqrt{e}} + M\right) v W_v^h
+        \right)
+
+    The constructor and ``forward`` take the same arguments in the same order as
+    ``nn.MultiheadAttention``, and :meth:`from_torch` copies one exactly. Differences, on
+    purpose: ``batch_first=True`` and ``need_weights=False`` by default; ``key`` defaults to
+    ``query`` and ``value`` to ``key``; ``is_causal=True`` alone applies a causal mask (with an
+    ``attn_mask`` both apply); a query row with no allowed key gives a zero attention result
+    and zero weights (its output is ``out_proj.bias``) instead of NaN. Projections are always
+    separate ``nn.Linear`` modules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``.
+
+    Without weights requested the fused ``F.scaled_dot_product_attention`` path runs; with
+    ``need_weights=True`` (or ``MMATTN_FUSED_ATTN=0``) the explicit softmax path runs.
+
+    Args:
+        embed_dim: model width D (query width and output width).
+        num_heads: number of heads H; must divide ``embed_dim``.
+        dropout: dropout probability on the attention weights (training only).
+        bias: add biases to the four projections.
+        add_bias_kv: append a learned key and value (``bias_k``, ``bias_v``) to the sequence.
+        add_zero_attn: append an all-zero key and value after the heads are split.
+        kdim: key width (default ``embed_dim``).
+        vdim: value width (default ``embed_dim``).
+        batch_first: inputs are (B, L, D) when True, (L, B, D) when False.
+        device, dtype: factory arguments for the parameters.
+        num_kv_heads: key/value heads for grouped-query attention (must divide
+            ``num_heads``; 1 = multi-query; default ``num_heads``). ``k_proj``/``v_proj``
+            output ``num_kv_heads * head_dim``; K/V are never repeated per query head.
+        position: applied to q and k after the head split as ``position(x, offset)``
+            (``offset`` = tokens already cached, else 0): a module such as
+            :class:`~mmattn.rotary.RotaryEmbedding`, or ``"rotary"`` to build one of the
+            head width (which must then be even).
+
+    Decoding: ``cache = module.make_cache(batch_size, max_len)`` and
+    ``forward(x_step, is_causal=True, cache=cache)`` append this call's keys and values and
+    attend everything cached so far (see :mod:`mmattn.cache`).
+
+    Shape:
+        - query: (B, L, D), or (L, D) unbatched, or (L, B, D) with ``batch_first=False``
+        - key: (B, S, kdim); value: (B, S, vdim)
+        - key_padding_mask: (B, S) bool or float, or (S,) unbatched
+        - attn_mask: (L, S) or (B * H, L, S) bool or float, or (H, L, S) unbatched
+        - returns: output (B, L, D) in the input layout, and weights (B, L, S) averaged over
+          heads or (B, H, L, S) per head when ``need_weights`` (else None)
+
+    Raises:
+        ValueError / TypeError: at construction for bad sizes (``num_kv_heads`` that does
+            not divide ``num_heads``, a ``position`` of another width or an odd head width
+            for ``"rotary"``), and in ``forward`` for inputs or masks of the wrong rank,
+            shape, dtype or device, or a cache made for another batch size or dtype, or full
+            — the message names the argument and the expected and actual values.
+
+    Examples:
+        >>> mha = MultiHeadAttention(embed_dim=16, num_heads=4)
+        >>> x = torch.randn(2, 5, 16)
+        >>> out, weights = mha(x, need_weights=True)
+        >>> out.shape, weights.shape
+        (torch.Size([2, 5, 16]), torch.Size([2, 5, 5]))
+    """
+
+    # A subclass of nn.MultiheadAttention, so client code that dispatches on the class
+    # (PyG's GPSConv, FSDP's wrap policy) calls ours; nn.MultiheadAttention.__init__ never
+    # runs. PyTorch's Transformer layers probe these attributes to decide on their
+    # packed-weight fast paths; our projections are never packed, so they all decline and
+    # call our forward. The separate projection weights are views of the nn.Linear modules.
+    _qkv_same_embed_dim = False
+    in_proj_weight = None
+    in_proj_bias = None
+
+    #: Why :meth:`to_torch` does not apply to a variant (None: it does). Every class takes
+    #: over an ``nn.MultiheadAttention``'s weights with :meth:`from_torch`.
+    no_torch_twin: ClassVar[str | None] = None
+    #: The caches ``forward(..., cache=)`` takes: what :meth:`make_cache` makes, and the
+    #: projected context of cross-attention.
+    cache_kinds: ClassVar[tuple[type, ...]] = (KVCache, ContextCache)
+
+    @property
+    def q_proj_weight(self) -> Tensor:
+        """``q_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.q_proj.weight
+
+    @property
+    def k_proj_weight(self) -> Tensor:
+        """``k_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.k_proj.weight
+
+    @property
+    def v_proj_weight(self) -> Tensor:
+        """``v_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.v_proj.weight
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # nn.MultiheadAttention.__setstate__ would add _qkv_same_embed_dim=True (for v1.1
+        # checkpoints) and turn PyTorch's packed fast paths on for an unpickled copy.
+        state.pop("_qkv_same_embed_dim", None)
+        nn.Module.__setstate__(self, state)
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
+        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+    ) -> None:
+        # nn.MultiheadAttention's keys (in_proj_weight, q_proj_weight, ...) become ours.
+        interop.convert_torch_keys(self, state_dict, prefix, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            error_msgs,
+        )
+
+    def _reset_parameters(self) -> None:
+        # nn.MultiheadAttention's private name, called by client code (PyG's GPSConv).
+        self.reset_parameters()
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        num_kv_heads: int | None = None,
+        position: nn.Module | Callable[..., Tensor] | str | None = None,
+    ) -> None:
+        nn.Module.__init__(self)  # not nn.MultiheadAttention's: it would build packed weights
+        checks.check_positive_int("embed_dim", embed_dim)
+        checks.check_positive_int("num_heads", num_heads)
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"num_heads must divide embed_dim, got embed_dim={embed_dim}, "
+                f"num_heads={num_heads}"
+            )
+        num_kv_heads = checks.check_positive_int("num_kv_heads", default(num_kv_heads, num_heads))
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads must divide num_heads, got num_heads={num_heads}, "
+                f"num_kv_heads={num_kv_heads}"
+            )
+        kdim = checks.check_positive_int("kdim", default(kdim, embed_dim))
+        vdim = checks.check_positive_int("vdim", default(vdim, embed_dim))
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.num_kv_heads = num_kv_heads
+        kv_dim = num_kv_heads * self.head_dim
+        self.dropout = checks.check_probability("dropout", dropout)
+        self.kdim = kdim
+        self.vdim = vdim
+        self.batch_first = checks.check_bool("batch_first", batch_first)
+        self.add_zero_attn = bool(add_zero_attn)
+        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, kv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, kv_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, kv_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.position = resolve_position(position, self.head_dim)
+        self._check_position_supported()
+        # The base initialiser on purpose: a subclass's reset_parameters may touch
+        # parameters that do not exist yet; subclasses initialise their own at the end.
+        MultiHeadAttention.reset_parameters(self)
+
+    def reset_parameters(self) -> None:
+        """Initialise like ``nn.MultiheadAttention`` (same distributions).
+
+        With equal widths torch draws the packed (3D, D) in-projection from one Xavier
+        uniform; we draw each (D, D) block from that same distribution. Biases start at 0.
+        """
+        if self.kdim == self.vdim == self.embed_dim:
+            bound = math.sqrt(6.0 / (self.embed_dim + 3 * self.embed_dim))
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                nn.init.uniform_(proj.weight, -bound, bound)
+        else:
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                nn.init.xavier_uniform_(proj.weight)
+        self.out_proj.reset_parameters()
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def extra_repr(self) -> str:
+        parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            parts.append(f"kdim={self.kdim}, vdim={self.vdim}")
+        if self.bias_k is not None:
+            parts.append("add_bias_kv=True")
+        if self.add_zero_attn:
+            parts.append("add_zero_attn=True")
+        parts.append(f"batch_first={self.batch_first}")
+        if self.num_kv_heads != self.num_heads:
+            parts.append(f"num_kv_heads={self.num_kv_heads}")
+        return ", ".join(parts)
+
+    def _check_position_supported(self) -> None:
+        """Hook: a variant where ``position=`` makes no sense raises ValueError here."""
+
+    # ------------------------------------------------------------------ decoding
+
+    def make_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """A cache for decoding step by step: ``forward(x_step, is_causal=True, cache=cache)``.
+
+        Each call appends its keys and values (after ``position``, at ``offset =
+        len(cache)``) and attends everything cached so far, causally.
+
+        Args:
+            batch_size: the batch every decoding call has.
+            max_len: the most tokens the cache takes.
+            device, dtype: of the buffers (default: those of ``k_proj``'s weight).
+
+        Returns:
+            A :class:`~mmattn.cache.KVCache` with (B, num_kv_heads, max_len, head_dim) buffers.
+
+        Raises:
+            ValueError: ``add_bias_kv`` / ``add_zero_attn`` modules (their appended keys have
+                no position in a growing sequence); bad sizes.
+        """
+        self._check_cacheable()
+        weight = self.k_proj.weight
+        return KVCache(
+            batch_size, max_len, self.num_kv_heads, self.head_dim,
+            device=default(device, weight.device), dtype=default(dtype, weight.dtype),
+        )
+
+    def _check_cacheable(self) -> None:
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError(
+                f"{type(self).__name__} with add_bias_kv or add_zero_attn has no cache: the "
+                "appended key has no place in a sequence that grows step by step"
+            )
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        cache: KVCache | LocalKVCache | ContextCache | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend ``query`` over ``key``/``value``; see the class docstring for shapes.
+
+        With ``cache`` (from :meth:`make_cache`) the call is one decoding step: its keys and
+        values are appended to the cache and the queries attend everything cached.
+        """
+        if is_jagged(query) or is_jagged(key) or is_jagged(value):  # packed: mmattn/_packed*
+            if cache is not None:
+                raise ValueError("cache= does not take packed (jagged) input; decode padded")
+            key = default(key, query)
+            return packed_forward(
+                self, query, key, default(value, key), key_padding_mask, need_weights,
+                attn_mask, average_attn_weights, is_causal,
+            )
+        if isinstance(query, Tensor) and query.is_nested:
+            if cache is not None:
+                raise ValueError("cache= does not take nested (jagged) input; decode padded")
+            return interop.nested_forward(
+                self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, is_causal,
+            )
+        key = default(key, query)
+        value = default(value, key)
+        batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        if cache is not None:
+            self._check_cache_call(cache, batched, key_padding_mask, attn_mask, is_causal)
+        if not batched:
+            query, key, value = query[None], key[None], value[None]
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[None]
+        elif not self.batch_first:
+            query, key, value = (rearrange(t, "l b d -> b l d") for t in (query, key, value))
+
+        q = rearrange(self.q_proj(query), "b l (h e) -> b h l e", h=self.num_heads)
+        dropout_p = self.dropout if self.training else 0.0
+        if cache is None:
+            out, weights = self._uncached(
+                q, key, value, key_padding_mask, attn_mask, is_causal, dropout_p, need_weights
+            )
+        else:
+            out, weights = self._cached(
+                q, key, value, cache, key_padding_mask, dropout_p, need_weights
+            )
+        out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
+
+        if not batched:
+            out = out[0]
+        elif not self.batch_first:
+            out = rearrange(out, "b l d -> l b d")
+        if weights is not None:
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if not batched:
+                weights = weights[0]
+        return out, weights
+
+    def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Key and value projections, split into the ``num_kv_heads`` heads."""
+        k = rearrange(self.k_proj(key), "b l (h e) -> b h l e", h=self.num_kv_heads)
+        v = rearrange(self.v_proj(value), "b l (h e) -> b h l e", h=self.num_kv_heads)
+        return k, v
+
+    def _uncached(
+        self,
+        q: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """One whole-sequence call: positions from 0, appended keys, merged mask, the hook."""
+        k, v = self._project_kv(key, value)
+        if self.position is not None:
+            q, k = self.position(q, 0), self.position(k, 0)
+        if is_causal and (self.bias_k is not None or self.add_zero_attn):
+            # The causal rule covers the real keys; appended keys stay visible, as in torch.
+            attn_mask = _fold_causal(attn_mask, q.shape[2], k.shape[2], q.device)
+            is_causal = False
+        if self.bias_k is not None:
+            batch = q.shape[0]
+            bias_k, bias_v = (
+                rearrange(b.to(k.dtype), "1 1 (h e) -> 1 h 1 e", h=self.num_kv_heads)
+                .expand(batch, -1, -1, -1)
+                for b in (self.bias_k, self.bias_v)
+            )
+            k, v = torch.cat([k, bias_k], dim=2), torch.cat([v, bias_v], dim=2)
+            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
+            v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
+            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
+        mask = merge_masks(
+            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
+            dtype=q.dtype,
+        )
+        return self._attention(
+            q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
+        )
+
+    def _cached(
+        self,
+        q: Tensor,
+        key: Tensor,
+        value: Tensor,
+        cache: KVCache | LocalKVCache | ContextCache,
+        key_padding_mask: Tensor | None,
+        dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """One decoding step: new keys at ``offset = len(cache)``, then attend the cache."""
+        cache.check_batch("query", q.shape[0])
+        if isinstance(cache, ContextCache):
+            k = v = mask = None
+            if not cache.filled:
+                k, v = self._project_kv(key, value)
+                mask = merge_masks(
+                    key_padding_mask, None, batch_size=q.shape[0], num_heads=self.num_heads,
+                    dtype=q.dtype,
+                )
+            k, v, mask = cache.update(k, v, mask)
+        else:
+            k, v = self._project_kv(key, value)
+            if self.position is not None:
+                offset = cache.offset
+                q, k = self.position(q, offset), self.position(k, offset)
+            k, v, mask = cache.update(k, v)
+        return self._attend_cached(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+
+    def _attend_cached(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention over what a cache returned; its mask already holds the causal rule."""
+        return self._attention(
+            q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights
+        )
+
+    def _attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        *,
+        is_causal: bool,
+        dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The attention step on head-split tensors: the one hook a variant overrides.
+
+        ``forward`` has already projected and split the heads, appended ``bias_k``/zero keys,
+        merged ``key_padding_mask`` and ``attn_mask`` into ``mask``, and chosen ``dropout_p``
+        (0 in eval mode). An override returns the per-head result; ``forward`` merges the
+        heads and applies ``out_proj``.
+
+        Args:
+            q, k, v: projected queries, keys and values.
+            mask: None, or one mask in the SDPA direction — bool True = may attend, or float
+                added to the scores. (b, 1, 1, j) when only key padding was given.
+            is_causal: also apply the causal rule (key j <= query i).
+            dropout_p: dropout probability on the attention weights.
+            need_weights: also return the per-head weights.
+
+        Shape:
+            - q: (b, h, i, e); k, v: (b, h, j, e)
+            - mask: broadcastable to (b, h, i, j)
+            - returns: (b, h, i, e) and weights (b, h, i, j), or None
+        """
+        return attend(
+            q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, need_weights=need_weights
+        )
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_cache_call(
+        self,
+        cache: object,
+        batched: bool,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+    ) -> None:
+        """Raise unless ``cache`` can serve this call (sizes and dtype are checked later)."""
+        self._check_cacheable()
+        check_cache_call(
+            type(self).__name__, cache, kinds=self.cache_kinds, device=self.q_proj.weight.device,
+            window_size=getattr(self, "window_size", None), batched=batched,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask, causal=is_causal or getattr(self, "causal", False),
+            position=self.position,
+        )
+
+    def _check_inputs(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+    ) -> bool:
+        """Validate shapes, dtypes and devices; return whether the input is batched."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            checks.check_tensor(name, t)
+            checks.check_floating(name, t)
+        layout = "(batch, length, embed_dim)" if self.batch_first else "(length, batch, embed_dim)"
+        checks.check_rank("query", query, (2, 3), f"{layout} or unbatched (length, embed_dim)")
+        batched = query.dim() == 3
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != query.dim():
+                raise ValueError(
+                    f"{name} must have the same rank as query ({query.dim()}-D), got "
+                    f"{t.dim()}-D with shape {tuple(t.shape)}"
+                )
+        checks.check_last_dim("query", query, self.embed_dim, "embed_dim")
+        checks.check_last_dim("key", key, self.kdim, "kdim")
+        checks.check_last_dim("value", value, self.vdim, "vdim")
+        # Under autocast (CPU or CUDA) the projections cast every input, as in torch.
+        autocast = query.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(
+            query.device.type
+        )
+        for name, t in (("key", key), ("value", value)):
+            if not autocast:
+                checks.check_same_dtype(name, t, "query", query)
+            checks.check_same_device(name, t, "query", query)
+        weight = self.q_proj.weight
+        checks.check_same_device("query", query, "the module's parameters", weight)
+        if query.dtype != weight.dtype and not autocast:
+            raise TypeError(
+                f"query has dtype {query.dtype} but the module's parameters have dtype "
+                f"{weight.dtype}; convert one of them (e.g. module.to({query.dtype}))"
+            )
+        seq_dim = 1 if batched and self.batch_first else 0
+        batch_dim = 1 - seq_dim
+        if key.shape[seq_dim] != value.shape[seq_dim]:
+            raise ValueError(
+                f"key and value must have the same length, got key {tuple(key.shape)} and "
+                f"value {tuple(value.shape)}"
+            )
+        if batched and not (query.shape[batch_dim] == key.shape[batch_dim]
+                            == value.shape[batch_dim]):
+            raise ValueError(
+                f"query, key and value must have the same batch size, got query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+        batch = query.shape[batch_dim] if batched else None
+        q_len, k_len = query.shape[seq_dim], key.shape[seq_dim]
+        if key_padding_mask is not None:
+            checks.check_tensor("key_padding_mask", key_padding_mask)
+            checks.check_mask_dtype("key_padding_mask", key_padding_mask)
+            checks.check_same_device("key_padding_mask", key_padding_mask, "query", query)
+            expected = (batch, k_len) if batched else (k_len,)
+            checks.check_shape(
+                "key_padding_mask", key_padding_mask, expected,
+                "(batch, key_length)" if batched else "(key_length,)",
+            )
+        if attn_mask is not None:
+            checks.check_tensor("attn_mask", attn_mask)
+            checks.check_mask_dtype("attn_mask", attn_mask)
+            checks.check_same_device("attn_mask", attn_mask, "query", query)
+            stacked = (batch if batched else 1) * self.num_heads
+            if attn_mask.shape not in ((q_len, k_len), (stacked, q_len, k_len)):
+                raise ValueError(
+                    f"attn_mask must have shape {(q_len, k_len)} or "
+                    f"{(stacked, q_len, k_len)} (batch * num_heads, query_length, key_length), "
+                    f"got {tuple(attn_mask.shape)}"
+                )
+        return batched
+
+    # ------------------------------------------------------------------ torch interop
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, **kwargs: Any) -> MultiHeadAttention:
+        """Build one with the same weights and settings as an ``nn.MultiheadAttention``.
+
+        Packed (``in_proj_weight``) and separate (``q_proj_weight`` ...) layouts are both
+        read. The result keeps the source's ``batch_first``, dropout, device, dtype,
+        train/eval mode and each parameter's ``requires_grad``, and gives identical outputs.
+
+        A variant takes over the projection weights the same way; its own arguments come as
+        keywords, e.g. ``LocalAttention.from_torch(m, window_size=64)``, and its own extra
+        parameters (``AdditiveAttention.score_weight`` ...) keep their fresh initialisation.
+        ``module`` may also be an mmattn attention module (its projections are copied, with
+        its ``num_kv_heads`` and ``position``).
+
+        ``num_kv_heads`` is read from the source, never given: its key/value weights fix it
+        (one key/value head per head for torch's module). ``position=`` may be given for a
+        torch source, which has none; the copy then rotates queries and keys, so its
+        outputs differ from the source's.
+
+        Args:
+            module: the ``nn.MultiheadAttention`` to copy.
+            **kwargs: arguments of ``cls`` that ``nn.MultiheadAttention`` does not have.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.MultiheadAttention``; ``kwargs`` repeats a
+                setting read from ``module`` (``num_kv_heads`` included), names an argument
+                ``cls`` does not take, or misses one ``cls`` requires.
+            ValueError: ``module`` uses a setting ``cls`` does not have (e.g.
+                ``add_bias_kv=True`` for ``LocalAttention``).
+
+        Examples:
+            >>> torch_mha = nn.MultiheadAttention(16, 4, batch_first=True)
+            >>> mha = MultiHeadAttention.from_torch(torch_mha)
+            >>> x = torch.randn(2, 5, 16)
+            >>> torch.allclose(mha(x)[0], torch_mha(x, x, x)[0], atol=1e-6)
+            True
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(
+                f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}"
+            )
+        new = cls(**interop.constructor_kwargs(cls, module, kwargs))
+        interop.copy_weights(module, new)
+        return new.train(module.training)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An ``nn.MultiheadAttention`` with the same weights and settings (the inverse).
+
+        Raises:
+            NotImplementedError: a variant with no torch equivalent (see ``no_torch_twin``),
+                or grouped-query attention / a ``position`` module (torch has neither).
+        """
+        _check_torch_twin(type(self), "to_torch")
+        if self.num_kv_heads != self.num_heads or self.position is not None:
+            raise NotImplementedError(
+                f"to_torch is not available with num_kv_heads={self.num_kv_heads} (of "
+                f"num_heads={self.num_heads}) or position={self.position!r}: "
+                "nn.MultiheadAttention has neither grouped-query attention nor positions"
+            )
+        weight = self.out_proj.weight
+        module = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.q_proj.bias is not None,
+            add_bias_kv=self.bias_k is not None,
+            add_zero_attn=self.add_zero_attn,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=self.batch_first,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        interop.copy_into_torch(self, module)
+        return module.train(self.training)
+
+
+def _check_torch_twin(cls: type, method: str) -> None:
+    if cls.no_torch_twin is not None:
+        raise NotImplementedError(f"{cls.__name__}.{method} is not available: {cls.no_torch_twin}")
+
+
+def _pad_masks(
+    key_padding_mask: Tensor | None, attn_mask: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """Append one always-allowed key column to module-direction masks."""
+    return tuple(
+        None if m is None else torch.cat([m, m.new_zeros(*m.shape[:-1], 1)], dim=-1)
+        for m in (key_padding_mask, attn_mask)
+    )
+
+
+def _fold_causal(
+    attn_mask: Tensor | None, q_len: int, k_len: int, device: torch.device
+) -> Tensor:
+    """Merge the causal rule into a module-direction ``attn_mask`` (True = not allowed)."""
+    hidden = ~causal_mask(q_len, k_len, device=device)
+    if attn_mask is None:
+        return hidden
+    if attn_mask.dtype == torch.bool:
+        return attn_mask | hidden
+    return attn_mask.masked_fill(hidden, float("-inf"))
+

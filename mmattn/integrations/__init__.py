@@ -1,0 +1,5 @@
+"""Glue to other people's code: each file one library, imported only when used.
+
+- :mod:`~mmattn.integrations.torch` — :func:`replace_attention` (swap every
+  ``nn.MultiheadAttention`` in a model for ours, weights kept).
+"""

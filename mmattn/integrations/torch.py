@@ -1,0 +1,123 @@
+"""``replace_attention``: swap every ``nn.MultiheadAttention`` of a model for ours, in place.
+
+Weights are kept and what would route around the new module is turned off. It lives apart
+from :mod:`mmattn.attention._interop` (the helpers :class:`~mmattn.MultiHeadAttention`
+itself uses) so that imports go one way: ``integrations -> attention -> attention._interop``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+from torch import nn
+
+from mmattn._helpers import default
+from mmattn.attention.mha import MultiHeadAttention
+
+__all__ = ["replace_attention"]
+
+
+def replace_attention(
+    model: nn.Module,
+    factory: Callable[[nn.MultiheadAttention], nn.Module] | None = None,
+) -> int:
+    """Replace every ``nn.MultiheadAttention`` inside ``model`` by an mmattn module, in place.
+
+    Each one becomes ``MultiHeadAttention.from_torch(m)`` (same weights, same settings, same
+    outputs), or ``factory(m)`` when given, e.g. a variant that takes over the projection
+    weights. The new module keeps the old one's device, dtype and train/eval mode, and a
+    module shared by several parents stays shared. Modules that are already mmattn ones are
+    left alone; a subclass of ``nn.MultiheadAttention`` that overrides ``forward`` is
+    skipped with a warning (its behaviour is not torch's). Finally every
+    ``nn.TransformerEncoder`` gets ``use_nested_tensor = False``, so its inference fast path
+    does not convert the batch to a NestedTensor around our module (our module would accept
+    it, but padding and the key padding mask are faster).
+
+    Args:
+        model: any ``nn.Module``; it is modified in place.
+        factory: ``factory(m) -> nn.Module`` called with each ``nn.MultiheadAttention``; it
+            must return a module with the same ``embed_dim`` (and ``batch_first``, if it has
+            one). Default: ``MultiHeadAttention.from_torch``.
+
+    Returns:
+        How many modules were replaced (0 when there are none).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``factory`` is not callable or returned
+            something that is not an ``nn.Module`` (the message names the submodule).
+        ValueError: ``model`` is itself an ``nn.MultiheadAttention`` (there is no parent to
+            put the new one in: use ``from_torch``); the factory's module has another
+            ``embed_dim`` or ``batch_first`` (the message names the submodule).
+
+    Examples:
+        >>> layer = nn.TransformerEncoderLayer(16, 4, batch_first=True)
+        >>> encoder = nn.TransformerEncoder(layer, num_layers=2)
+        >>> replace_attention(encoder)
+        2
+        >>> type(encoder.layers[0].self_attn).__name__
+        'MultiHeadAttention'
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if factory is not None and not callable(factory):
+        raise TypeError(f"factory must be callable or None, got {type(factory).__name__}")
+    if isinstance(model, nn.MultiheadAttention) and not isinstance(model, MultiHeadAttention):
+        raise ValueError(
+            "model is itself an nn.MultiheadAttention and cannot be replaced in place; "
+            "use MultiHeadAttention.from_torch(model)"
+        )
+    build = default(factory, MultiHeadAttention.from_torch)
+    replaced: dict[int, nn.Module] = {}
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not _is_torch_attention(child, MultiHeadAttention):
+                continue
+            path = f"{parent_name}.{name}" if parent_name else name
+            if type(child).forward is not nn.MultiheadAttention.forward:
+                warnings.warn(
+                    f"replace_attention skipped {path}: {type(child).__name__} overrides "
+                    "nn.MultiheadAttention.forward",
+                    stacklevel=2,
+                )
+                continue
+            if id(child) not in replaced:
+                replaced[id(child)] = _build(build, child, path, custom=factory is not None)
+            setattr(parent, name, replaced[id(child)])
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder):
+            module.use_nested_tensor = False
+    return len(replaced)
+
+
+def _is_torch_attention(module: nn.Module, ours: type) -> bool:
+    return isinstance(module, nn.MultiheadAttention) and not isinstance(module, ours)
+
+
+def _build(
+    build: Callable[[nn.MultiheadAttention], nn.Module],
+    old: nn.MultiheadAttention,
+    path: str,
+    custom: bool,
+) -> nn.Module:
+    new = build(old)
+    if not custom:
+        return new
+    if not isinstance(new, nn.Module):
+        raise TypeError(
+            f"factory must return an nn.Module, got {type(new).__name__} for {path!r}"
+        )
+    embed_dim = getattr(new, "embed_dim", None)
+    if embed_dim != old.embed_dim:
+        raise ValueError(
+            f"factory must return a module with embed_dim={old.embed_dim} for {path!r}, "
+            f"got {type(new).__name__} with embed_dim={embed_dim}"
+        )
+    batch_first = getattr(new, "batch_first", old.batch_first)
+    if batch_first != old.batch_first:
+        raise ValueError(
+            f"factory must return a module with batch_first={old.batch_first} for {path!r} "
+            f"(the model passes its inputs in that layout), got batch_first={batch_first}"
+        )
+    weight = old.out_proj.weight
+    return new.to(device=weight.device, dtype=weight.dtype).train(old.training)

@@ -1,0 +1,242 @@
+"""Blocked sliding-window attention: the O(L·w) kernel behind :class:`mmattn.LocalAttention`.
+
+Axis key: ``b`` batch, ``h`` heads, ``l`` sequence length, ``e`` head width, ``n`` query
+blocks, ``s`` queries in a block, ``t`` keys in a block's slab, ``g`` global tokens.
+
+Query i may attend key j iff ``|i - j| <= w`` (and ``j <= i`` when causal). The sequence is
+cut into ``n`` blocks of ``s`` queries; block ``m`` (queries ``[m·s, m·s + s)``) can only
+reach keys in the slab ``[m·s - w, m·s + s + w)``. All slabs are gathered at once with
+``unfold`` over a padded key sequence, so the whole band runs as ONE batched attention call
+on (b·n, h, s, e) queries against (b·n, h, s + 2w, e) keys with a per-block band mask::
+
+    keys   ─pad w─▶ |····|····|····|····|─pad─▶ unfold(size=s+2w, step=s) ─▶ (b n) h t e
+    queries ─pad──▶ |··|··|··|··|                rearrange               ─▶ (b n) h s e
+    mask (b n) 1 s t = band(s, t) & real key & not global key
+
+Memory and time are O(L·(s + 2w)); no (L, L) tensor exists unless weights are requested.
+
+Global tokens (Longformer style): the first ``g`` keys are appended to every block's slab
+(and removed from the band part so none is counted twice), and the first ``g`` query rows
+are computed densely over all keys — O(g·L).
+
+The per-block attention is :func:`mmattn.kernels.dense.attend`, so the fused
+(``F.scaled_dot_product_attention``) and explicit (softmax) paths, dropout and the
+"fully masked row gives zeros" rule are the same as in the dense modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from mmattn.kernels import dense as _kernel
+from mmattn.kernels.dense import attend
+
+#: Smallest query block; below this the per-block matmuls are too small to be efficient.
+MIN_BLOCK = 32
+
+
+def default_block_size(window_size: int) -> int:
+    """Query block size for a window: half the window, at least :data:`MIN_BLOCK`.
+
+    A block of ``s`` queries attends ``s + 2w`` keys (``s + w`` causal), i.e. ``s + 2w``
+    scores per query against the ideal ``2w + 1``: smaller blocks waste fewer scores, larger
+    ones make bigger matmuls. ``s = w / 2`` measured best on CPU (docs/performance.md).
+    """
+    return max(MIN_BLOCK, window_size // 2)
+
+
+def _key_bias(key_mask: Tensor | None, batch: int, length: int, dtype, device) -> Tensor:
+    """(b, l) key mask as bool "real key" or additive float; all-True when None."""
+    if key_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    if key_mask.dtype == torch.bool:
+        return key_mask
+    return key_mask.to(dtype)
+
+
+def _exclude(keys: Tensor, drop: Tensor) -> Tensor:
+    """Mark the keys where ``drop`` is True as not allowed (bool or additive ``keys``)."""
+    if keys.dtype == torch.bool:
+        return keys & ~drop
+    return torch.where(drop, float("-inf"), keys)
+
+
+def _combine(allowed: Tensor, keys: Tensor) -> Tensor:
+    """Merge a bool "may attend" pattern with a bool or additive key mask (broadcasting)."""
+    if keys.dtype == torch.bool:
+        return allowed & keys
+    return torch.where(allowed, keys, float("-inf"))
+
+
+def local_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_size: int,
+    *,
+    causal: bool = False,
+    key_mask: Tensor | None = None,
+    num_global_tokens: int = 0,
+    block_size: int | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Unchecked blocked band attention on head-split tensors.
+
+    Args:
+        q, k, v: queries, keys, values of one length ``l``.
+        window_size: ``w``; query i sees keys with ``|i - j| <= w``.
+        causal: also require ``j <= i``.
+        key_mask: (b, l) bool, True = real key (SDPA direction), or float added to scores.
+        num_global_tokens: ``g``; the first g tokens see and are seen by every token.
+        block_size: queries per block; default :func:`default_block_size`.
+        dropout_p: dropout on the attention weights.
+        scale: score scale; default ``1 / sqrt(e)``.
+        need_weights: also return the dense (b, h, l, l) weights (O(l²) memory).
+
+    Shape:
+        - q: (b, h, l, e); k, v: (b, k, l, e) with ``k`` dividing ``h`` (grouped-query
+          attention: the kernel shares each key head with its query heads, never repeating
+          K/V)
+        - returns: (b, h, l, e) and (b, h, l, l) weights or None
+    """
+    batch, heads, length, _ = q.shape
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if _kernel.reporting():
+        _kernel.report(
+            "local", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v, mask=key_mask,
+            dropout_p=dropout_p, is_causal=causal, scale=scale, window_size=window_size,
+            num_global_tokens=num_global_tokens,
+        )
+    if length == 0 or batch == 0:
+        return _kernel.attend(
+            q, k, v, None, scale=scale, need_weights=need_weights, report_path=False
+        )
+    window = min(window_size, length - 1)  # a wider band sees the same keys
+    glob = min(num_global_tokens, length)
+    block = min(block_size or default_block_size(window), length)
+    blocks = math.ceil(length / block)
+    left, right = window, (0 if causal else window)
+    slab = block + left + right
+    padded = blocks * block
+    device = q.device
+    keys = _key_bias(key_mask, batch, length, q.dtype, device)  # (b, l)
+
+    # Slabs of keys, values and key validity, one per query block.
+    def slabs(t: Tensor, fill: float | bool = 0.0) -> Tensor:
+        t = F.pad(t, (0, 0, left, padded - length + right), value=fill)
+        return rearrange(t.unfold(2, slab, block), "b h n e t -> (b n) h t e")
+
+    qb = F.pad(q, (0, 0, 0, padded - length)) if padded > length else q
+    qb = rearrange(qb, "b h (n s) e -> (b n) h s e", s=block)
+    kb, vb = slabs(k), slabs(v)
+    position = torch.arange(length, device=device)
+    band_keys = _exclude(keys, position < glob)  # global keys come separately
+    fill = False if band_keys.dtype == torch.bool else float("-inf")
+    band_keys = F.pad(band_keys, (left, padded - length + right), value=fill)
+    band_keys = rearrange(band_keys.unfold(1, slab, block), "b n t -> (b n) 1 1 t")
+    # Block-relative band: query a (absolute m·s + a) vs slab key c (absolute m·s - left + c).
+    offset = torch.arange(block, device=device)[:, None] + left
+    offset = offset - torch.arange(slab, device=device)[None, :]  # i - j, (s, t)
+    band = offset.abs() <= window
+    if causal:
+        band &= offset >= 0
+    mask = _combine(band, band_keys)  # ((b n), 1, s, t)
+
+    if glob:
+        kg, vg = (
+            rearrange(t[:, :, :glob], "b h g e -> b 1 h g e").expand(-1, blocks, -1, -1, -1)
+            for t in (k, v)
+        )
+        kb = torch.cat([kb, rearrange(kg, "b n h g e -> (b n) h g e")], dim=2)
+        vb = torch.cat([vb, rearrange(vg, "b n h g e -> (b n) h g e")], dim=2)
+        glob_keys = rearrange(keys[:, :glob], "b g -> b 1 1 g")
+        if causal:
+            query_pos = rearrange(torch.arange(padded, device=device), "(n s) -> n s 1", s=block)
+            seen = query_pos >= torch.arange(glob, device=device)  # (n, s, g)
+        else:
+            seen = torch.ones(1, 1, glob, dtype=torch.bool, device=device)
+        glob_mask = _combine(seen, glob_keys)  # (b, n, s, g)
+        glob_mask = rearrange(glob_mask.expand(-1, blocks, block, -1), "b n s g -> (b n) 1 s g")
+        mask = torch.cat([mask.expand(-1, -1, block, -1), glob_mask], dim=-1)
+
+    if key_mask is None and padded > length:
+        # Without padding no real query row is fully masked; the extra rows past the end
+        # may be, so open them (they are cropped) and skip the dead-row bookkeeping.
+        tail = torch.arange(padded, device=device) >= length
+        tail = rearrange(tail, "(n s) -> 1 n 1 s 1", s=block)
+        mask = rearrange(mask, "(b n) 1 s t -> b n 1 s t", b=batch) | tail
+        mask = rearrange(mask, "b n 1 s t -> (b n) 1 s t")
+    out, wb = _attend_blocks(
+        qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights
+    )
+    out = rearrange(out, "(b n) h s e -> b h (n s) e", b=batch)[:, :, :length]
+    weights = None
+    if need_weights:
+        weights = _scatter_weights(wb, batch, length, block, left, right, glob)
+
+    if glob:  # the global query rows see every key
+        row_keys = rearrange(keys, "b j -> b 1 1 j")
+        if causal:
+            row_keys = _combine(
+                position[None, :] <= torch.arange(glob, device=device)[:, None], row_keys
+            )
+        out_g, weights_g = attend(
+            q[:, :, :glob], k, v, row_keys, dropout_p=dropout_p, scale=scale,
+            need_weights=need_weights, report_path=False,
+        )
+        out = torch.cat([out_g, out[:, :, glob:]], dim=2)
+        if need_weights:
+            weights = torch.cat([weights_g, weights[:, :, glob:]], dim=2)
+    return out, weights
+
+
+def _attend_blocks(
+    qb: Tensor,
+    kb: Tensor,
+    vb: Tensor,
+    mask: Tensor,
+    dead_rows: bool,
+    dropout_p: float,
+    scale: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """One batched attention call over all blocks.
+
+    :func:`mmattn.kernels.dense.attend` guards rows without any allowed key; when the caller
+    knows there are none (no key mask), the fused path calls SDPA directly and saves three
+    passes over the (b·n, 1, s, t) mask and the output.
+    """
+    if dead_rows or need_weights or not _kernel.use_fused_attn():
+        return attend(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale,
+                      need_weights=need_weights, report_path=False)
+    out = F.scaled_dot_product_attention(
+        qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+        enable_gqa=qb.shape[1] != kb.shape[1],
+    )
+    return out, None
+
+
+def _scatter_weights(
+    wb: Tensor, batch: int, length: int, block: int, left: int, right: int, glob: int
+) -> Tensor:
+    """Place per-block weights ((b n), h, s, t [+ g]) into the dense (b, h, l, l) map."""
+    wb = rearrange(wb, "(b n) h s t -> b h n s t", b=batch)
+    blocks = wb.shape[2]
+    slab = block + left + right
+    band, wg = wb[..., :slab], wb[..., slab:]
+    width = blocks * block + left + right
+    cols = torch.arange(blocks, device=wb.device)[:, None] * block
+    cols = (cols + torch.arange(slab, device=wb.device)).view(1, 1, blocks, 1, slab)
+    dense = wb.new_zeros(*wb.shape[:4], width).scatter(-1, cols.expand_as(band), band)
+    dense = rearrange(dense[..., left:left + length], "b h n s j -> b h (n s) j")[:, :, :length]
+    if glob:
+        wg = rearrange(wg, "b h n s g -> b h (n s) g")[:, :, :length]
+        dense = torch.cat([dense[..., :glob] + wg, dense[..., glob:]], dim=-1)
+    return dense
