@@ -12,8 +12,6 @@ SDPA directly (or torch's jagged SDPA on CUDA).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -35,9 +33,6 @@ from mmattn.kernels.packed import (
     layout,
     report,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from mmattn.tokens import Tokens
 
 
 @torch.compiler.disable(recursive=False)  # plans eagerly; the calls it makes are compiled
@@ -237,11 +232,6 @@ def _plain_hook(module: nn.Module) -> bool:
     return _is_base(_defining_class(module, "_attention"))
 
 
-def _is_attention(module: nn.Module) -> bool:
-    """True for a :class:`mmattn.MultiHeadAttention` or any subclass (any variant)."""
-    return any(_is_base(cls) for cls in type(module).__mro__)
-
-
 def _cost_key(module: nn.Module) -> tuple:
     """What the planner needs to know of a band: (window, block, global tokens), or ()."""
     window = getattr(module, "window_size", None)
@@ -323,46 +313,3 @@ def _item_weights(module, bucket_weights, buckets, q_lens, k_lens, extra, like) 
             width = projected if projected is not None else k_lens[m] + extra
             maps[m] = like.new_zeros(heads, q_lens[m], width)
     return maps
-
-
-# ---------------------------------------------------------------------- for blocks
-
-
-def check_same_layout(name: str, tokens: Tokens, other_name: str, other: Tokens) -> None:
-    """Raise TypeError when one of two Tokens is packed and the other padded."""
-    if tokens.is_packed != other.is_packed:
-        kinds = {True: "packed", False: "padded"}
-        raise TypeError(
-            f"{name} is {kinds[tokens.is_packed]} but {other_name} is "
-            f"{kinds[other.is_packed]}; pack() or unpack() both"
-        )
-
-
-def map_packed(tokens: Tokens, fn) -> Tokens:
-    """Packed Tokens with ``fn`` applied to the (t, d) values (same offsets and meta)."""
-    values, offsets = contiguous_parts(tokens.x)
-    return tokens.replace(jagged(fn(values), offsets))
-
-
-def attend_packed(
-    attn: nn.Module,
-    values: Tensor,
-    offsets: Tensor,
-    context: tuple[Tensor, Tensor] | None = None,
-    **kwargs,
-) -> Tensor:
-    """Packed attention on the (t, d) rows: self-attention, or over ``context`` rows.
-
-    A :class:`MultiHeadAttention` (any variant) runs its packed kernel on the rows directly;
-    wrapping them in jagged tensors and back costs more than a small attention call. Any
-    other module gets jagged tensors.
-    """
-    if _is_attention(attn):
-        kv, k_off = (values, offsets) if context is None else context
-        out, _ = attend_values(
-            attn, values, offsets, kv, k_off, kv, self_attention=context is None, **kwargs
-        )
-        return out
-    query = jagged(values, offsets)
-    key = query if context is None else jagged(*context)
-    return attn(query, key, key, **kwargs)[0].values()

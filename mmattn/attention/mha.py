@@ -13,7 +13,7 @@ hook a variant overrides. The default hook is the shared kernel :func:`mmattn.ke
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from mmattn import _checks as checks
 from mmattn._helpers import default
 from mmattn.attention import _interop as interop
-from mmattn.attention._packed import packed_forward
+from mmattn.attention._packed import attend_values, packed_forward
 from mmattn.cache import ContextCache, KVCache, LocalKVCache, check_cache_call
 from mmattn.kernels.dense import attend
 from mmattn.kernels.packed import is_jagged
@@ -288,6 +288,43 @@ class MultiHeadAttention(nn.MultiheadAttention):
                 f"{type(self).__name__} with add_bias_kv or add_zero_attn has no cache: the "
                 "appended key has no place in a sequence that grows step by step"
             )
+
+    # ------------------------------------------------------------------ what blocks ask
+
+    def geometry(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """The forward keywords this layer takes from ``Tokens.meta`` (none for this class).
+
+        Blocks call it with their input's ``meta`` and pass the result to ``forward`` (and to
+        :meth:`attend_rows`), so a layer that needs geometry (an image grid, a graph's edges)
+        gets it without the user doing anything. A layer that needs a key raises a
+        ValueError naming it when ``meta`` lacks it.
+        """
+        return {}
+
+    def attend_rows(
+        self,
+        qv: Tensor,
+        q_off: Tensor,
+        kv: Tensor,
+        k_off: Tensor,
+        vv: Tensor,
+        *,
+        self_attention: bool = False,
+        **kwargs: Any,
+    ) -> Tensor:
+        """Packed attention on the rows of a jagged batch (no nested tensor in or out).
+
+        Blocks call this for packed Tokens; ``kwargs`` are ``forward``'s (``attn_mask``,
+        ``is_causal`` and whatever :meth:`geometry` returned).
+
+        Shape:
+            - qv: (t_q, embed_dim); kv: (t_k, kdim); vv: (t_k, vdim); offsets (b + 1,)
+            - returns: (t_q, embed_dim)
+        """
+        out, _ = attend_values(
+            self, qv, q_off, kv, k_off, vv, self_attention=self_attention, **kwargs
+        )
+        return out
 
     # ------------------------------------------------------------------ forward
 

@@ -26,7 +26,7 @@ from einops import repeat
 from torch import nn
 
 from mmattn import _checks as checks
-from mmattn.attention._packed import map_packed
+from mmattn.blocks._packed import map_packed
 from mmattn.blocks.transformer import CrossAttentionBlock, Encoder, TransformerBlock
 from mmattn.registry import AttentionSpec
 from mmattn.tokens import RESERVED_NAMES, Tokens

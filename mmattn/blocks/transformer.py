@@ -23,8 +23,9 @@ from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn.attention._packed import attend_packed, check_same_layout
 from mmattn.attention.cross import CrossAttention
+from mmattn.attention.mha import MultiHeadAttention
+from mmattn.blocks._packed import attend_packed, check_same_layout
 from mmattn.cache import ContextCache
 from mmattn.kernels.packed import contiguous_parts, jagged
 from mmattn.registry import AttentionSpec, build_attention, resolve_attention
@@ -212,12 +213,26 @@ class TransformerBlock(nn.Module):
             parts.append("causal=True")
         return ", ".join(parts)
 
-    def packed_rows(self, values: Tensor, offsets: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def geometry(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """What the attention layer takes from ``Tokens.meta`` (its ``geometry(meta)``)."""
+        if isinstance(self.attn, MultiHeadAttention):
+            return self.attn.geometry(meta)
+        return {}
+
+    def packed_rows(
+        self,
+        values: Tensor,
+        offsets: Tensor,
+        attn_mask: Tensor | None,
+        geometry: dict[str, Any] | None = None,
+    ) -> Tensor:
         """The block on packed rows (t, D) with item ``offsets`` (b + 1,); returns (t, D).
 
-        ``attn_mask`` is already in the shape :func:`block_attn_mask` returns.
+        ``attn_mask`` is already in the shape :func:`block_attn_mask` returns; ``geometry``
+        is what :meth:`geometry` returned for the Tokens' meta.
         """
         kwargs = {"is_causal": True} if self.causal else {}
+        kwargs.update(geometry or {})
         h = self.norm1(values)
         values = values + attend_packed(self.attn, h, offsets, attn_mask=attn_mask, **kwargs)
         return values + self.mlp(self.norm2(values))
@@ -238,10 +253,12 @@ class TransformerBlock(nn.Module):
             if cache is not None:
                 raise ValueError("cache= does not take packed Tokens; decode padded Tokens")
             values, offsets = contiguous_parts(tokens.x)
-            return tokens.replace(jagged(self.packed_rows(values, offsets, attn_mask), offsets))
+            rows = self.packed_rows(values, offsets, attn_mask, self.geometry(tokens.meta))
+            return tokens.replace(jagged(rows, offsets))
         x = tokens.zero_padding()
         h = self.norm1(x)
         kwargs = {"is_causal": True} if self.causal else {}
+        kwargs.update(self.geometry(tokens.meta))
         if cache is not None:
             kwargs["cache"] = cache
         attn, _ = self.attn(
@@ -456,7 +473,9 @@ class Encoder(nn.Module):
                 tokens.length,
             )
             for block in self.blocks:
-                values = block.packed_rows(values, offsets, attn_mask)
+                values = block.packed_rows(
+                    values, offsets, attn_mask, block.geometry(tokens.meta)
+                )
             return tokens.replace(jagged(self.norm(values), offsets))
         for block in self.blocks:
             tokens = block(tokens, attn_mask)
