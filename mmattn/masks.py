@@ -41,6 +41,7 @@ __all__ = [
     "padding_mask",
     "causal_mask",
     "band_mask",
+    "local_allowed",
     "invert",
     "to_additive",
     "to_bool",
@@ -134,6 +135,35 @@ def band_mask(
         allowed &= offset >= 0
     return allowed
 
+
+
+def local_allowed(
+    length: int,
+    window_size: int,
+    *,
+    causal: bool = False,
+    num_global_tokens: int = 0,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The dense "may attend" pattern of :class:`~mmattn.LocalAttention` (SDPA direction).
+
+    ``band_mask`` plus the global rows and columns: True where ``|i - j| <= window_size``,
+    or ``i < g`` or ``j < g``; with ``causal`` additionally ``j <= i``.
+
+    Shape:
+        - returns: (length, length) bool.
+
+    Examples:
+        >>> local_allowed(4, 0, num_global_tokens=1).int().tolist()
+        [[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
+    """
+    check_positive_int("num_global_tokens", num_global_tokens, minimum=0)
+    allowed = band_mask(length, window_size, device=device)
+    allowed[:num_global_tokens] = True
+    allowed[:, :num_global_tokens] = True
+    if causal:
+        allowed = allowed.tril()
+    return allowed
 
 def invert(mask: Tensor) -> Tensor:
     """Flip a boolean mask between directions (module ``True = masked`` <-> SDPA/Tokens).

@@ -484,6 +484,7 @@ NOT_IN_MATRIX = {
     "functional.fused_attn": "the path switch, no input",
     "masks.causal_mask": "int arguments (tests/mmattn/test_masks.py)",
     "masks.band_mask": "int arguments (tests/mmattn/test_masks.py)",
+    "masks.local_allowed": "int arguments (tests/mmattn/attention/test_local.py)",
     "masks.merge_masks": "the modules' mask merger, reached through every attention subject",
     "position.sinusoidal_1d": "int arguments (named cases in test_bad_input_items.py)",
     "position.sinusoidal_2d": "int arguments (named cases in test_bad_input_items.py)",

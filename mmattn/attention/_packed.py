@@ -13,18 +13,12 @@ SDPA directly (or torch's jagged SDPA on CUDA).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from mmattn.attention._packed_checks import (
-    check_attn_mask,
-    check_module_rules,
-    check_packed,
-    check_values,
-)
+from mmattn.attention._appended import extra_keys, num_extra_keys
+from mmattn.attention._packed_checks import check_attn_mask, check_packed, check_values
 from mmattn.kernels import dense as _kernel
-from mmattn.kernels.blocked import default_block_size
 from mmattn.kernels.packed import (
     Bucket,
     contiguous_parts,
@@ -101,21 +95,20 @@ def attend_values(
     check_values(module, qv, kv, vv)
     q_lens = q_off.diff().tolist()
     k_lens = q_lens if self_attention else k_off.diff().tolist()
-    check_module_rules(module, q_lens, k_lens, is_causal)
+    module._check_lengths(q_lens, k_lens, is_causal=is_causal, attn_mask=attn_mask)
     attn_mask = check_attn_mask(module, attn_mask, q_lens, k_lens, qv)
     e = module.head_dim
     dropout_p = module.dropout if module.training else 0.0
-    extra = _num_extra(module)
-    plain = _plain_hook(module)
-    # A position module on q and k after the head split (``position(x, offset)``, x (b, h, l,
-    # e)), where an attention class has one: per bucket each item starts at position 0.
-    position = getattr(module, "position", None)
-    position = position if callable(position) else None
-    direct = plain and _kernel.use_fused_attn() and not need_weights and extra == 0
+    extra = num_extra_keys(module)
+    groups = module.num_heads // module.num_kv_heads
+    # The position module on q and k after the head split (``position(x, offset)``, x (b, h,
+    # l, e)): per bucket each item starts at position 0.
+    position = module.position
+    direct = module._plain_attention() and _kernel.use_fused_attn()
+    direct = direct and not need_weights and extra == 0
     facts = {"q_lengths": q_lens, "k_lengths": k_lens, "is_causal": is_causal}
 
     jagged_ok = direct and attn_mask is None and position is None and qv.is_cuda
-    jagged_ok = jagged_ok and getattr(module, "num_kv_heads", module.num_heads) == module.num_heads
     fallback = []
     if jagged_ok and min(q_lens + k_lens, default=0) > 0 and (not is_causal or q_lens == k_lens):
         q, k, v = (
@@ -123,7 +116,9 @@ def attend_values(
             for proj, t in ((module.q_proj, qv), (module.k_proj, kv), (module.v_proj, vv))
         )
         try:
-            out = jagged_sdpa(q, k, v, q_off, k_off, dropout_p=dropout_p, is_causal=is_causal)
+            out = jagged_sdpa(
+                q, k, v, q_off, k_off, dropout_p=dropout_p, is_causal=is_causal, groups=groups
+            )
         except (RuntimeError, NotImplementedError, ValueError) as error:  # no kernel fits
             fallback = [f"torch's jagged SDPA refused these inputs: {error}"]
         else:
@@ -132,7 +127,7 @@ def attend_values(
 
     plan_k = [length + extra for length in k_lens]
     plan_of = layout(
-        tuple(q_lens), tuple(plan_k), tuple(k_lens), _cost_key(module), module.embed_dim,
+        tuple(q_lens), tuple(plan_k), tuple(k_lens), module._packed_cost_key(), module.embed_dim,
         qv.device,
     )
     buckets = plan_of.buckets
@@ -158,7 +153,7 @@ def attend_values(
     qs = module.q_proj(q_rows).split(q_sizes)
     ks = module.k_proj(k_rows).split(k_sizes)
     vs = module.v_proj(v_rows).split(k_sizes)
-    extra_k, extra_v = _extra_keys(module, e, qv.dtype, qv.device)
+    extra_k, extra_v = extra_keys(module, e, qv.dtype, qv.device)
 
     outs, bucket_weights = [], []
     for index, bucket in enumerate(buckets):
@@ -183,16 +178,11 @@ def attend_values(
             if mask is not None and causal:
                 mask = _kernel.with_causal(mask, bucket.q_len, bucket.k_len, qb.device)
                 causal = False
-            live = None
-            if attn_mask is not None:  # the user's mask may leave a row without keys
-                live = _kernel.live_rows(mask)
-                mask = _kernel.open_dead_rows(mask, live)
-            out = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                enable_gqa=qb.shape[1] != kb.shape[1],
+            # only the user's mask may leave a row without keys
+            out = _kernel.sdpa(
+                qb, kb, vb, mask, dropout_p=dropout_p, is_causal=causal, groups=groups,
+                dead_rows=attn_mask is not None,
             )
-            if live is not None:
-                out = torch.where(live, out, 0.0)
         else:
             out, w = module._attention(
                 qb, kb, vb, mask, is_causal=causal, dropout_p=dropout_p,
@@ -210,61 +200,6 @@ def attend_values(
     if average_attn_weights:
         maps = [w.mean(dim=0) for w in maps]
     return out, maps
-
-
-def _defining_class(module: nn.Module, name: str) -> type | None:
-    """The class in ``module``'s MRO that defines ``name`` (no import of the attention
-    module here: it imports this one)."""
-    for cls in type(module).__mro__:
-        if name in vars(cls):
-            return cls
-    return None
-
-
-def _is_base(cls: type | None) -> bool:
-    return cls is not None and (cls.__module__, cls.__qualname__) == (
-        "mmattn.attention.mha", "MultiHeadAttention"
-    )
-
-
-def _plain_hook(module: nn.Module) -> bool:
-    """True when the module keeps ``MultiHeadAttention``'s own ``_attention`` (plain SDPA)."""
-    return _is_base(_defining_class(module, "_attention"))
-
-
-def _cost_key(module: nn.Module) -> tuple:
-    """What the planner needs to know of a band: (window, block, global tokens), or ()."""
-    window = getattr(module, "window_size", None)
-    if window is None:
-        return ()
-    block = module.block_size or default_block_size(window)
-    return (window, block, module.num_global_tokens)
-
-
-def _num_extra(module: nn.Module) -> int:
-    """How many keys ``add_bias_kv`` and ``add_zero_attn`` append to every item."""
-    return int(getattr(module, "bias_k", None) is not None) + int(
-        bool(getattr(module, "add_zero_attn", False))
-    )
-
-
-def _extra_keys(module: nn.Module, e: int, dtype, device) -> tuple[Tensor | None, Tensor | None]:
-    """The keys/values appended to every item: ``bias_k``/``bias_v``, then the zero key.
-
-    Shape:
-        - returns: (1, h, extra, e) each, or None
-    """
-    keys, values = [], []
-    heads = getattr(module, "num_kv_heads", module.num_heads)
-    if getattr(module, "bias_k", None) is not None:
-        keys.append(rearrange(module.bias_k, "1 1 (k e) -> 1 k 1 e", e=e))
-        values.append(rearrange(module.bias_v, "1 1 (k e) -> 1 k 1 e", e=e))
-    if getattr(module, "add_zero_attn", False):
-        keys.append(torch.zeros(1, heads, 1, e, dtype=dtype, device=device))
-        values.append(torch.zeros(1, heads, 1, e, dtype=dtype, device=device))
-    if not keys:
-        return None, None
-    return torch.cat(keys, dim=2).to(dtype), torch.cat(values, dim=2).to(dtype)
 
 
 def _open_extra(mask: Tensor | None, n: int, bucket: Bucket, extra: int, device) -> Tensor:
@@ -298,7 +233,7 @@ def _bucket_attn_mask(attn_mask: Tensor, bucket: Bucket, num_heads: int) -> Tens
 
 def _item_weights(module, bucket_weights, buckets, q_lens, k_lens, extra, like) -> list[Tensor]:
     """Per-item (h, i_m, key columns) maps in batch order: real keys then appended keys."""
-    projected = getattr(module, "proj_len", None)  # Linformer: weights over its slots
+    projected = module._packed_weights_width()  # Linformer: weights over its slots
     heads = module.num_heads
     maps: list[Tensor | None] = [None] * len(q_lens)
     for index, w in bucket_weights:

@@ -74,38 +74,10 @@ def check_values(module, qv: Tensor, kv: Tensor, vv: Tensor) -> None:
         )
 
 
-def check_module_rules(module, q_lens: list[int], k_lens: list[int], is_causal: bool) -> None:
-    """The variant rules that the padded path checks on shapes: same lengths, max length."""
-    if getattr(module, "window_size", None) is not None and q_lens != k_lens:
-        raise ValueError(
-            f"{type(module).__name__} needs key of the same length as query for every item, "
-            f"got query lengths {q_lens} and key lengths {k_lens}; use CrossAttention for "
-            "inputs of different lengths"
-        )
-    seq_len = getattr(module, "seq_len", None)
-    if seq_len is not None and getattr(module, "proj_len", None) is not None:
-        if is_causal:
-            raise ValueError(
-                "is_causal=True is not supported by LinformerAttention: the sequence "
-                "projection mixes future keys into every slot"
-            )
-        longest = max(k_lens, default=0)
-        if longest > seq_len:
-            raise ValueError(
-                f"key length must be <= seq_len={seq_len}, got a packed item of length "
-                f"{longest}"
-            )
-
-
 def check_attn_mask(module, attn_mask, q_lens, k_lens, query) -> Tensor | None:
     """attn_mask for a packed batch: (max i, max j) or (b·h, max i, max j), else ValueError."""
     if attn_mask is None:
         return None
-    if getattr(module, "proj_len", None) is not None:
-        raise ValueError(
-            "attn_mask is not supported by LinformerAttention: keys are projected to "
-            f"proj_len={module.proj_len} slots; use key_padding_mask for padding"
-        )
     checks.check_tensor("attn_mask", attn_mask)
     checks.check_mask_dtype("attn_mask", attn_mask)
     checks.check_same_device("attn_mask", attn_mask, "query", query)

@@ -12,6 +12,7 @@ no real key feeds is masked out, and a sample without real keys gets a zero resu
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from einops import rearrange
@@ -158,11 +159,6 @@ class LinformerAttention(MultiHeadAttention):
         dropout_p: float,
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        if is_causal:
-            raise ValueError(
-                "is_causal=True is not supported by LinformerAttention: the sequence "
-                "projection mixes future keys into every slot"
-            )
         length = k.shape[2]
         e_proj = self.key_seq_proj[:, :length].to(q.dtype)  # (p, j)
         f_proj = e_proj if self.value_seq_proj is None else self.value_seq_proj[:, :length]
@@ -180,27 +176,34 @@ class LinformerAttention(MultiHeadAttention):
         v = torch.einsum("pj,bhje->bhpe", f_proj, v)
         return attend(q, k, v, slot_live, dropout_p=dropout_p, need_weights=need_weights)
 
-    def _check_inputs(
+    def _check_lengths(
         self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
+        q_lens: Sequence[int],
+        k_lens: Sequence[int],
+        *,
+        is_causal: bool,
         attn_mask: Tensor | None,
-    ) -> bool:
-        batched = super()._check_inputs(query, key, value, key_padding_mask, attn_mask)
+    ) -> None:
+        if is_causal:
+            raise ValueError(
+                "is_causal=True is not supported by LinformerAttention: the sequence "
+                "projection mixes future keys into every slot"
+            )
         if attn_mask is not None:
             raise ValueError(
                 "attn_mask is not supported by LinformerAttention: keys are projected to "
                 f"proj_len={self.proj_len} slots; use key_padding_mask for padding"
             )
-        seq_dim = 1 if batched and self.batch_first else 0
-        if key.shape[seq_dim] > self.seq_len:
+        longest = max(k_lens, default=0)
+        if longest > self.seq_len:
+            which = "" if len(k_lens) == 1 else " (the longest packed item)"
             raise ValueError(
-                f"key length must be <= seq_len={self.seq_len}, got key {tuple(key.shape)} "
-                f"(length {key.shape[seq_dim]})"
+                f"key length must be <= seq_len={self.seq_len}, got {longest}{which}"
             )
-        return batched
+
+    def _packed_weights_width(self) -> int | None:
+        return self.proj_len
+
 
 def _real_keys(mask: Tensor) -> Tensor:
     """The merged key-padding mask (b, 1, 1, j), bool or 0/-inf additive -> (b, j) real keys."""

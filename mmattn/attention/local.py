@@ -11,7 +11,7 @@ one batched attention call, so no (L, L) score matrix is built.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -19,40 +19,11 @@ from torch import Tensor, nn
 from mmattn import _checks as checks
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.cache import LocalKVCache
-from mmattn.kernels.blocked import local_attend
+from mmattn.kernels.blocked import default_block_size, local_attend
 from mmattn.kernels.dense import attend
-from mmattn.masks import band_mask
+from mmattn.masks import local_allowed
 
-__all__ = ["LocalAttention", "local_allowed"]
-
-
-def local_allowed(
-    length: int,
-    window_size: int,
-    *,
-    causal: bool = False,
-    num_global_tokens: int = 0,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """The dense "may attend" pattern of :class:`LocalAttention` (SDPA direction).
-
-    ``band_mask`` plus the global rows and columns: True where ``|i - j| <= window_size``,
-    or ``i < g`` or ``j < g``; with ``causal`` additionally ``j <= i``.
-
-    Shape:
-        - returns: (length, length) bool.
-
-    Examples:
-        >>> local_allowed(4, 0, num_global_tokens=1).int().tolist()
-        [[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
-    """
-    checks.check_positive_int("num_global_tokens", num_global_tokens, minimum=0)
-    allowed = band_mask(length, window_size, device=device)
-    allowed[:num_global_tokens] = True
-    allowed[:, :num_global_tokens] = True
-    if causal:
-        allowed = allowed.tril()
-    return allowed
+__all__ = ["LocalAttention"]
 
 
 class LocalAttention(MultiHeadAttention):
@@ -202,6 +173,7 @@ class LocalAttention(MultiHeadAttention):
             block_size=self.block_size,
             dropout_p=dropout_p,
             need_weights=need_weights,
+            groups=self.num_heads // self.num_kv_heads,
         )
 
     def make_cache(
@@ -236,7 +208,10 @@ class LocalAttention(MultiHeadAttention):
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         # The ring cache's mask already is the causal band over at most w + i keys.
-        return attend(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+        return attend(
+            q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights,
+            groups=self.num_heads // self.num_kv_heads,
+        )
 
     def _attend_dense(
         self,
@@ -257,22 +232,30 @@ class LocalAttention(MultiHeadAttention):
             mask = mask & band
         else:
             mask = torch.where(band, mask, float("-inf"))
-        return attend(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+        return attend(
+            q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights,
+            groups=self.num_heads // self.num_kv_heads,
+        )
 
-    def _check_inputs(
+    def _check_lengths(
         self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
+        q_lens: Sequence[int],
+        k_lens: Sequence[int],
+        *,
+        is_causal: bool,
         attn_mask: Tensor | None,
-    ) -> bool:
-        batched = super()._check_inputs(query, key, value, key_padding_mask, attn_mask)
-        seq_dim = 1 if batched and self.batch_first else 0
-        if key.shape[seq_dim] != query.shape[seq_dim]:
+    ) -> None:
+        if list(q_lens) != list(k_lens):
+            which = "" if len(q_lens) == 1 else " for every item"
             raise ValueError(
-                f"LocalAttention needs key of the same length as query "
-                f"({query.shape[seq_dim]}), got key {tuple(key.shape)} and query "
-                f"{tuple(query.shape)}; use CrossAttention for inputs of different lengths"
+                f"LocalAttention needs key of the same length as query{which}, got query "
+                f"length(s) {list(q_lens)} and key length(s) {list(k_lens)}; use "
+                "CrossAttention for inputs of different lengths"
             )
-        return batched
+
+    def _packed_cost_key(self) -> tuple:
+        return (self.window_size, self.block_size or default_block_size(self.window_size),
+                self.num_global_tokens)
+
+    def _cache_rules(self) -> tuple[int | None, bool]:
+        return self.window_size, self.causal

@@ -13,7 +13,7 @@ hook a variant overrides. The default hook is the shared kernel :func:`mmattn.ke
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -23,11 +23,14 @@ from torch import Tensor, nn
 from mmattn import _checks as checks
 from mmattn._helpers import default
 from mmattn.attention import _interop as interop
+from mmattn.attention._appended import append_keys
+from mmattn.attention._decoding import cached_step, check_cache_step
+from mmattn.attention._inputs import check_inputs
 from mmattn.attention._packed import attend_values, packed_forward
-from mmattn.cache import ContextCache, KVCache, LocalKVCache, check_cache_call
+from mmattn.cache import ContextCache, KVCache, LocalKVCache
 from mmattn.kernels.dense import attend
 from mmattn.kernels.packed import is_jagged
-from mmattn.masks import causal_mask, merge_masks
+from mmattn.masks import merge_masks
 from mmattn.rotary import resolve_position
 
 __all__ = ["MultiHeadAttention"]
@@ -282,12 +285,46 @@ class MultiHeadAttention(nn.MultiheadAttention):
             device=default(device, weight.device), dtype=default(dtype, weight.dtype),
         )
 
+    def _cache_rules(self) -> tuple[int | None, bool]:
+        """What a cache must match: (its window, or None for a full cache; always causal)."""
+        return None, False
+
     def _check_cacheable(self) -> None:
         if self.bias_k is not None or self.add_zero_attn:
             raise ValueError(
                 f"{type(self).__name__} with add_bias_kv or add_zero_attn has no cache: the "
                 "appended key has no place in a sequence that grows step by step"
             )
+
+    # ------------------------------------------------------------------ what runners ask
+
+    def _check_lengths(
+        self,
+        q_lens: Sequence[int],
+        k_lens: Sequence[int],
+        *,
+        is_causal: bool,
+        attn_mask: Tensor | None,
+    ) -> None:
+        """Hook: a variant's rules on lengths and options, raised as ValueError.
+
+        Called once per call with one length per item: ``[L]``/``[S]`` for a padded batch,
+        every item's lengths for a packed one, so a rule lives once, in its layer.
+        """
+
+    def _plain_attention(self) -> bool:
+        """Whether this class keeps the base :meth:`_attention` (plain SDPA): the packed
+        runner may then call SDPA on its buckets directly."""
+        return type(self)._attention is MultiHeadAttention._attention
+
+    def _packed_cost_key(self) -> tuple:
+        """What the packed planner needs to know of this layer's cost: () for full attention
+        (a band returns its window, block and global tokens)."""
+        return ()
+
+    def _packed_weights_width(self) -> int | None:
+        """Key columns of the packed weights when not the item's keys (Linformer's slots)."""
+        return None
 
     # ------------------------------------------------------------------ what blocks ask
 
@@ -363,9 +400,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
             )
         key = default(key, query)
         value = default(value, key)
-        batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask, is_causal)
         if cache is not None:
-            self._check_cache_call(cache, batched, key_padding_mask, attn_mask, is_causal)
+            check_cache_step(self, cache, batched, key_padding_mask, attn_mask, is_causal)
         if not batched:
             query, key, value = query[None], key[None], value[None]
             if key_padding_mask is not None:
@@ -380,8 +417,8 @@ class MultiHeadAttention(nn.MultiheadAttention):
                 q, key, value, key_padding_mask, attn_mask, is_causal, dropout_p, need_weights
             )
         else:
-            out, weights = self._cached(
-                q, key, value, cache, key_padding_mask, dropout_p, need_weights
+            out, weights = cached_step(
+                self, q, key, value, cache, key_padding_mask, dropout_p, need_weights
             )
         out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
 
@@ -417,23 +454,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
         k, v = self._project_kv(key, value)
         if self.position is not None:
             q, k = self.position(q, 0), self.position(k, 0)
-        if is_causal and (self.bias_k is not None or self.add_zero_attn):
-            # The causal rule covers the real keys; appended keys stay visible, as in torch.
-            attn_mask = _fold_causal(attn_mask, q.shape[2], k.shape[2], q.device)
-            is_causal = False
-        if self.bias_k is not None:
-            batch = q.shape[0]
-            bias_k, bias_v = (
-                rearrange(b.to(k.dtype), "1 1 (h e) -> 1 h 1 e", h=self.num_kv_heads)
-                .expand(batch, -1, -1, -1)
-                for b in (self.bias_k, self.bias_v)
-            )
-            k, v = torch.cat([k, bias_k], dim=2), torch.cat([v, bias_v], dim=2)
-            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
-            v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
-            key_padding_mask, attn_mask = _pad_masks(key_padding_mask, attn_mask)
+        k, v, key_padding_mask, attn_mask, is_causal = append_keys(
+            self, q, k, v, key_padding_mask, attn_mask, is_causal
+        )
         mask = merge_masks(
             key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
             dtype=q.dtype,
@@ -441,35 +464,6 @@ class MultiHeadAttention(nn.MultiheadAttention):
         return self._attention(
             q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
         )
-
-    def _cached(
-        self,
-        q: Tensor,
-        key: Tensor,
-        value: Tensor,
-        cache: KVCache | LocalKVCache | ContextCache,
-        key_padding_mask: Tensor | None,
-        dropout_p: float,
-        need_weights: bool,
-    ) -> tuple[Tensor, Tensor | None]:
-        """One decoding step: new keys at ``offset = len(cache)``, then attend the cache."""
-        cache.check_batch("query", q.shape[0])
-        if isinstance(cache, ContextCache):
-            k = v = mask = None
-            if not cache.filled:
-                k, v = self._project_kv(key, value)
-                mask = merge_masks(
-                    key_padding_mask, None, batch_size=q.shape[0], num_heads=self.num_heads,
-                    dtype=q.dtype,
-                )
-            k, v, mask = cache.update(k, v, mask)
-        else:
-            k, v = self._project_kv(key, value)
-            if self.position is not None:
-                offset = cache.offset
-                q, k = self.position(q, offset), self.position(k, offset)
-            k, v, mask = cache.update(k, v)
-        return self._attend_cached(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
 
     def _attend_cached(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
@@ -512,27 +506,8 @@ class MultiHeadAttention(nn.MultiheadAttention):
             - returns: (b, h, i, e) and weights (b, h, i, j), or None
         """
         return attend(
-            q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, need_weights=need_weights
-        )
-
-    # ------------------------------------------------------------------ checks
-
-    def _check_cache_call(
-        self,
-        cache: object,
-        batched: bool,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
-        is_causal: bool,
-    ) -> None:
-        """Raise unless ``cache`` can serve this call (sizes and dtype are checked later)."""
-        self._check_cacheable()
-        check_cache_call(
-            type(self).__name__, cache, kinds=self.cache_kinds, device=self.q_proj.weight.device,
-            window_size=getattr(self, "window_size", None), batched=batched,
-            key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask, causal=is_causal or getattr(self, "causal", False),
-            position=self.position,
+            q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, need_weights=need_weights,
+            groups=self.num_heads // self.num_kv_heads,
         )
 
     def _check_inputs(
@@ -542,74 +517,10 @@ class MultiHeadAttention(nn.MultiheadAttention):
         value: Tensor,
         key_padding_mask: Tensor | None,
         attn_mask: Tensor | None,
+        is_causal: bool = False,
     ) -> bool:
         """Validate shapes, dtypes and devices; return whether the input is batched."""
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            checks.check_tensor(name, t)
-            checks.check_floating(name, t)
-        layout = "(batch, length, embed_dim)" if self.batch_first else "(length, batch, embed_dim)"
-        checks.check_rank("query", query, (2, 3), f"{layout} or unbatched (length, embed_dim)")
-        batched = query.dim() == 3
-        for name, t in (("key", key), ("value", value)):
-            if t.dim() != query.dim():
-                raise ValueError(
-                    f"{name} must have the same rank as query ({query.dim()}-D), got "
-                    f"{t.dim()}-D with shape {tuple(t.shape)}"
-                )
-        checks.check_last_dim("query", query, self.embed_dim, "embed_dim")
-        checks.check_last_dim("key", key, self.kdim, "kdim")
-        checks.check_last_dim("value", value, self.vdim, "vdim")
-        # Under autocast (CPU or CUDA) the projections cast every input, as in torch.
-        autocast = query.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(
-            query.device.type
-        )
-        for name, t in (("key", key), ("value", value)):
-            if not autocast:
-                checks.check_same_dtype(name, t, "query", query)
-            checks.check_same_device(name, t, "query", query)
-        weight = self.q_proj.weight
-        checks.check_same_device("query", query, "the module's parameters", weight)
-        if query.dtype != weight.dtype and not autocast:
-            raise TypeError(
-                f"query has dtype {query.dtype} but the module's parameters have dtype "
-                f"{weight.dtype}; convert one of them (e.g. module.to({query.dtype}))"
-            )
-        seq_dim = 1 if batched and self.batch_first else 0
-        batch_dim = 1 - seq_dim
-        if key.shape[seq_dim] != value.shape[seq_dim]:
-            raise ValueError(
-                f"key and value must have the same length, got key {tuple(key.shape)} and "
-                f"value {tuple(value.shape)}"
-            )
-        if batched and not (query.shape[batch_dim] == key.shape[batch_dim]
-                            == value.shape[batch_dim]):
-            raise ValueError(
-                f"query, key and value must have the same batch size, got query "
-                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-            )
-        batch = query.shape[batch_dim] if batched else None
-        q_len, k_len = query.shape[seq_dim], key.shape[seq_dim]
-        if key_padding_mask is not None:
-            checks.check_tensor("key_padding_mask", key_padding_mask)
-            checks.check_mask_dtype("key_padding_mask", key_padding_mask)
-            checks.check_same_device("key_padding_mask", key_padding_mask, "query", query)
-            expected = (batch, k_len) if batched else (k_len,)
-            checks.check_shape(
-                "key_padding_mask", key_padding_mask, expected,
-                "(batch, key_length)" if batched else "(key_length,)",
-            )
-        if attn_mask is not None:
-            checks.check_tensor("attn_mask", attn_mask)
-            checks.check_mask_dtype("attn_mask", attn_mask)
-            checks.check_same_device("attn_mask", attn_mask, "query", query)
-            stacked = (batch if batched else 1) * self.num_heads
-            if attn_mask.shape not in ((q_len, k_len), (stacked, q_len, k_len)):
-                raise ValueError(
-                    f"attn_mask must have shape {(q_len, k_len)} or "
-                    f"{(stacked, q_len, k_len)} (batch * num_heads, query_length, key_length), "
-                    f"got {tuple(attn_mask.shape)}"
-                )
-        return batched
+        return check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal)
 
     # ------------------------------------------------------------------ torch interop
 
@@ -693,26 +604,3 @@ class MultiHeadAttention(nn.MultiheadAttention):
 def _check_torch_twin(cls: type, method: str) -> None:
     if cls.no_torch_twin is not None:
         raise NotImplementedError(f"{cls.__name__}.{method} is not available: {cls.no_torch_twin}")
-
-
-def _pad_masks(
-    key_padding_mask: Tensor | None, attn_mask: Tensor | None
-) -> tuple[Tensor | None, Tensor | None]:
-    """Append one always-allowed key column to module-direction masks."""
-    return tuple(
-        None if m is None else torch.cat([m, m.new_zeros(*m.shape[:-1], 1)], dim=-1)
-        for m in (key_padding_mask, attn_mask)
-    )
-
-
-def _fold_causal(
-    attn_mask: Tensor | None, q_len: int, k_len: int, device: torch.device
-) -> Tensor:
-    """Merge the causal rule into a module-direction ``attn_mask`` (True = not allowed)."""
-    hidden = ~causal_mask(q_len, k_len, device=device)
-    if attn_mask is None:
-        return hidden
-    if attn_mask.dtype == torch.bool:
-        return attn_mask | hidden
-    return attn_mask.masked_fill(hidden, float("-inf"))
-

@@ -86,6 +86,7 @@ def local_attend(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
+    groups: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Unchecked blocked band attention on head-split tensors.
 
@@ -99,6 +100,7 @@ def local_attend(
         dropout_p: dropout on the attention weights.
         scale: score scale; default ``1 / sqrt(e)``.
         need_weights: also return the dense (b, h, l, l) weights (O(l²) memory).
+        groups: query heads per key head (modules pass it from their configuration).
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e) with ``k`` dividing ``h`` (grouped-query
@@ -107,6 +109,7 @@ def local_attend(
         - returns: (b, h, l, e) and (b, h, l, l) weights or None
     """
     batch, heads, length, _ = q.shape
+    groups = _kernel.num_groups(q, k, groups)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if _kernel.reporting():
         _kernel.report(
@@ -116,7 +119,8 @@ def local_attend(
         )
     if length == 0 or batch == 0:
         return _kernel.attend(
-            q, k, v, None, scale=scale, need_weights=need_weights, report_path=False
+            q, k, v, None, scale=scale, need_weights=need_weights, report_path=False,
+            groups=groups,
         )
     window = min(window_size, length - 1)  # a wider band sees the same keys
     glob = min(num_global_tokens, length)
@@ -174,7 +178,7 @@ def local_attend(
         mask = rearrange(mask, "(b n) 1 s t -> b n 1 s t", b=batch) | tail
         mask = rearrange(mask, "b n 1 s t -> (b n) 1 s t")
     out, wb = _attend_blocks(
-        qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights
+        qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights, groups
     )
     out = rearrange(out, "(b n) h s e -> b h (n s) e", b=batch)[:, :, :length]
     weights = None
@@ -189,7 +193,7 @@ def local_attend(
             )
         out_g, weights_g = attend(
             q[:, :, :glob], k, v, row_keys, dropout_p=dropout_p, scale=scale,
-            need_weights=need_weights, report_path=False,
+            need_weights=need_weights, report_path=False, groups=groups,
         )
         out = torch.cat([out_g, out[:, :, glob:]], dim=2)
         if need_weights:
@@ -206,6 +210,7 @@ def _attend_blocks(
     dropout_p: float,
     scale: float,
     need_weights: bool,
+    groups: int,
 ) -> tuple[Tensor, Tensor | None]:
     """One batched attention call over all blocks.
 
@@ -215,10 +220,9 @@ def _attend_blocks(
     """
     if dead_rows or need_weights or not _kernel.use_fused_attn():
         return attend(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale,
-                      need_weights=need_weights, report_path=False)
-    out = F.scaled_dot_product_attention(
-        qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-        enable_gqa=qb.shape[1] != kb.shape[1],
+                      need_weights=need_weights, report_path=False, groups=groups)
+    out = _kernel.sdpa(
+        qb, kb, vb, mask, dropout_p=dropout_p, scale=scale, groups=groups, dead_rows=False
     )
     return out, None
 

@@ -142,6 +142,55 @@ def open_dead_rows(mask: Tensor, live: Tensor) -> Tensor:
     return mask.masked_fill(~live, 0.0)
 
 
+def num_groups(q: Tensor, k: Tensor, groups: int | None = None) -> int:
+    """Query heads per key head, as a Python int.
+
+    Modules pass ``groups`` from their configuration (``num_heads // num_kv_heads``), so no
+    shape comparison reaches SDPA's ``enable_gqa`` as a SymBool under dynamic shapes; the
+    functional API derives it from the (then specialised) head counts.
+    """
+    if groups is not None:
+        return groups
+    if q.dim() < 3 or k.dim() < 3 or not k.shape[-3]:
+        return 1
+    return int(q.shape[-3]) // int(k.shape[-3])
+
+
+def sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    groups: int = 1,
+    dead_rows: bool = True,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` under the one dead-row policy of every path.
+
+    A query row with no allowed key is opened before the softmax (so neither pass forms a
+    NaN) and its result set to zero with ``torch.where``. The dense, blocked and packed
+    kernels all call SDPA through here. ``dead_rows=False`` is the caller's promise that
+    every row has a key (e.g. a band with no key mask): the guard's passes are then skipped.
+
+    Shape:
+        - q: (b, h, i, e); k: (b, k, j, e); v: (b, k, j, e_v); mask broadcastable to
+          (b, h, i, j), SDPA direction
+        - returns: (b, h, i, e_v)
+    """
+    live = None
+    if mask is not None and dead_rows:
+        live = live_rows(mask)
+        mask = open_dead_rows(mask, live)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=groups > 1,
+    )
+    return out if live is None else torch.where(live, out, 0.0)
+
+
 def clear_dead_keys(mask: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Zero the keys and values that no query may attend (padding), whatever they hold.
 
@@ -293,6 +342,7 @@ def attend(
     scale: float | None = None,
     need_weights: bool = False,
     report_path: bool = True,
+    groups: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention on head-split tensors: the fused or the explicit path (unchecked).
 
@@ -306,6 +356,8 @@ def attend(
         scale: score scale; default ``1 / sqrt(e)``.
         need_weights: also return the weights (forces the explicit path).
         report_path: tell the path listeners (callers that report for themselves pass False).
+        groups: query heads per key head (modules pass ``num_heads // num_kv_heads``;
+            default: from the shapes, see :func:`num_groups`).
 
     Shape:
         - q: (b, h, i, e); k: (b, k, j, e); v: (b, k, j, e_v)
@@ -313,7 +365,7 @@ def attend(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] else 1
+    groups = num_groups(q, k, groups)
     explicit = need_weights or not _FUSED_ATTN
     if is_causal and (mask is not None or explicit):
         mask = with_causal(mask, q.shape[-2], k.shape[-2], q.device)
@@ -330,15 +382,10 @@ def attend(
     if explicit:  # softmax_attend opens and zeroes the rows without an allowed key
         out, weights = _explicit(q, k, v, mask, dropout_p, scale, groups)
         return out, (weights if need_weights else None)
-    live = None
-    if mask is not None:
-        live = live_rows(mask)
-        mask = open_dead_rows(mask, live)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=groups > 1,
+    out = sdpa(
+        q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, groups=groups
     )
-    return (out if live is None else torch.where(live, out, 0.0)), None
+    return out, None
 
 
 def _explicit(

@@ -229,7 +229,7 @@ def _band_cost(window: int, block: int, glob: int) -> Callable[[int, int], float
 
 def jagged_sdpa(
     q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_offsets: Tensor, *,
-    dropout_p: float, is_causal: bool,
+    dropout_p: float, is_causal: bool, groups: int = 1,
 ) -> Tensor:
     """torch's jagged SDPA (flash / memory-efficient varlen on CUDA) on packed rows.
 
@@ -239,9 +239,8 @@ def jagged_sdpa(
     qn, kn, vn = (
         jagged(t, o).transpose(1, 2) for t, o in ((q, q_offsets), (k, k_offsets), (v, k_offsets))
     )
-    out = F.scaled_dot_product_attention(
-        qn, kn, vn, dropout_p=dropout_p, is_causal=is_causal,
-        enable_gqa=q.shape[1] != k.shape[1],
+    out = _kernel.sdpa(
+        qn, kn, vn, None, dropout_p=dropout_p, is_causal=is_causal, groups=groups
     )
     return out.transpose(1, 2).values()
 

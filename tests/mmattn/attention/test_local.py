@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from mmattn import LocalAttention, MultiHeadAttention
-from mmattn.attention.local import local_allowed
 from mmattn.functional import fused_attn, local_attention, scaled_dot_product_attention
 from mmattn.kernels.blocked import default_block_size, local_attend
-from mmattn.masks import band_mask
+from mmattn.masks import band_mask, local_allowed
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
