@@ -7,8 +7,10 @@ width. A layer owns what differs: ``cache_kinds`` (which caches it takes),
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
+from mmattn._helpers import default
 from mmattn.cache import ContextCache, KVCache, LocalKVCache, check_cache_call
 from mmattn.masks import merge_masks
 
@@ -65,3 +67,63 @@ def cached_step(
             q, k = module.position(q, offset), module.position(k, offset)
         k, v, mask = cache.update(k, v)
     return module._attend_cached(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+
+
+class Decoding:
+    """The decoding surface every attention layer shares: :meth:`make_cache` and the hooks a
+    variant overrides (``_cache_rules``, ``_check_cacheable``, ``_attend_cached``).
+
+    Mixed into :class:`~mmattn.MultiHeadAttention`; the step itself is :func:`cached_step`.
+    """
+
+    def make_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """A cache for decoding step by step: ``forward(x_step, is_causal=True, cache=cache)``.
+
+        Each call appends its keys and values (after ``position``, at ``offset =
+        len(cache)``) and attends everything cached so far, causally.
+
+        Args:
+            batch_size: the batch every decoding call has.
+            max_len: the most tokens the cache takes.
+            device, dtype: of the buffers (default: those of ``k_proj``'s weight).
+
+        Returns:
+            A :class:`~mmattn.cache.KVCache` with (B, num_kv_heads, max_len, head_dim) buffers.
+
+        Raises:
+            ValueError: ``add_bias_kv`` / ``add_zero_attn`` modules (their appended keys have
+                no position in a growing sequence); bad sizes.
+        """
+        self._check_cacheable()
+        weight = self.k_proj.weight
+        return KVCache(
+            batch_size, max_len, self.num_kv_heads, self.head_dim,
+            device=default(device, weight.device), dtype=default(dtype, weight.dtype),
+        )
+
+    def _cache_rules(self) -> tuple[int | None, bool]:
+        """What a cache must match: (its window, or None for a full cache; always causal)."""
+        return None, False
+
+    def _check_cacheable(self) -> None:
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError(
+                f"{type(self).__name__} with add_bias_kv or add_zero_attn has no cache: the "
+                "appended key has no place in a sequence that grows step by step"
+            )
+
+    def _attend_cached(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention over what a cache returned; its mask already holds the causal rule."""
+        return self._attention(
+            q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights
+        )

@@ -13,16 +13,10 @@ Axis key: ``b`` batch, ``i`` query length, ``j`` key length, ``d`` model width.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
-
-from mmattn import _checks as checks
-from mmattn._helpers import default
-
-if TYPE_CHECKING:
-    from mmattn.attention.mha import MultiHeadAttention
 
 __all__: list[str] = []
 
@@ -148,7 +142,7 @@ def _projections(
     return tuple(weights), (bias.chunk(3) if bias is not None else (None,) * 3)
 
 
-def copy_into_torch(source: MultiHeadAttention, target: nn.MultiheadAttention) -> None:
+def copy_into_torch(source: nn.Module, target: nn.MultiheadAttention) -> None:
     """Copy our projections into an ``nn.MultiheadAttention`` of the same settings."""
     projections = [getattr(source, n) for n in _PROJECTIONS]
     if target._qkv_same_embed_dim:
@@ -181,7 +175,7 @@ def copy_into_torch(source: MultiHeadAttention, target: nn.MultiheadAttention) -
 
 
 def convert_torch_keys(
-    module: MultiHeadAttention, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
 ) -> None:
     """Rewrite ``nn.MultiheadAttention``'s keys under ``prefix`` into ours, in place.
 
@@ -234,86 +228,138 @@ def _size_mismatch(
         state_dict.setdefault(f"{prefix}{name}.{attr}", getattr(linear, attr).detach())
 
 
-# ---------------------------------------------------------------------- nested input
+# ---------------------------------------------------------------------- the mixin
+
+_Self = TypeVar("_Self", bound="TorchInterop")
 
 
-def nested_forward(
-    module: MultiHeadAttention,
-    query: Tensor,
-    key: Tensor | None,
-    value: Tensor | None,
-    key_padding_mask: Tensor | None,
-    need_weights: bool,
-    attn_mask: Tensor | None,
-    average_attn_weights: bool,
-    is_causal: bool,
-) -> tuple[Tensor, Tensor | None]:
-    """``module.forward`` on nested (B, j*, D) tensors: pad, attend with a key padding mask,
-    and return a nested output of the query's layout and lengths.
+class TorchInterop:
+    """What makes :class:`~mmattn.MultiHeadAttention` pass for an ``nn.MultiheadAttention``.
 
-    This is what ``nn.TransformerEncoder``'s inference fast path hands its layers (a strided
-    NestedTensor built by ``torch._nested_tensor_from_mask``); jagged tensors work the same.
-    Weights, when asked for, come back padded: (B, L_max, S_max), zero at padding.
-
-    Raises:
-        ValueError: key/value not nested like the query, a mask given (the nested lengths
-            are the padding), ``batch_first=False``, or lengths/batch sizes that disagree.
+    ``nn.MultiheadAttention``'s names for the separate projection weights, its state-dict
+    keys on load, its private ``_reset_parameters``, pickling without its fast-path flag, and
+    the two conversions :meth:`from_torch` / :meth:`to_torch`. Mixed into the core class, so
+    the core file holds attention and this one holds the compatibility surface.
     """
-    key = default(key, query)
-    value = default(value, key)
-    if not module.batch_first:
-        raise ValueError(
-            "nested input needs batch_first=True (a nested tensor is (batch, length*, "
-            "embed_dim)), got a module with batch_first=False"
+
+    #: Why :meth:`to_torch` does not apply to a variant (None: it does). Every class takes
+    #: over an ``nn.MultiheadAttention``'s weights with :meth:`from_torch`.
+    no_torch_twin: ClassVar[str | None] = None
+
+    @property
+    def q_proj_weight(self) -> Tensor:
+        """``q_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.q_proj.weight
+
+    @property
+    def k_proj_weight(self) -> Tensor:
+        """``k_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.k_proj.weight
+
+    @property
+    def v_proj_weight(self) -> Tensor:
+        """``v_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
+        return self.v_proj.weight
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # nn.MultiheadAttention.__setstate__ would add _qkv_same_embed_dim=True (for v1.1
+        # checkpoints) and turn PyTorch's packed fast paths on for an unpickled copy.
+        state.pop("_qkv_same_embed_dim", None)
+        nn.Module.__setstate__(self, state)
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
+        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+    ) -> None:
+        # nn.MultiheadAttention's keys (in_proj_weight, q_proj_weight, ...) become ours.
+        convert_torch_keys(self, state_dict, prefix, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            error_msgs,
         )
-    for name, t in (("key", key), ("value", value)):
-        checks.check_tensor(name, t)
-        if not t.is_nested:
-            raise ValueError(
-                f"{name} must be a nested tensor when query is one, got a regular tensor of "
-                f"shape {tuple(t.shape)}"
+
+    def _reset_parameters(self) -> None:
+        # nn.MultiheadAttention's private name, called by client code (PyG's GPSConv).
+        self.reset_parameters()
+
+    @classmethod
+    def from_torch(cls: type[_Self], module: nn.MultiheadAttention, **kwargs: Any) -> _Self:
+        """Build one with the same weights and settings as an ``nn.MultiheadAttention``.
+
+        Packed (``in_proj_weight``) and separate (``q_proj_weight`` ...) layouts are both
+        read. The result keeps the source's ``batch_first``, dropout, device, dtype,
+        train/eval mode and each parameter's ``requires_grad``, and gives identical outputs.
+
+        A variant takes over the projection weights the same way; its own arguments come as
+        keywords, e.g. ``LocalAttention.from_torch(m, window_size=64)``, and its own extra
+        parameters (``AdditiveAttention.score_weight`` ...) keep their fresh initialisation.
+        ``module`` may also be an mmattn attention module (its projections are copied, with
+        its ``num_kv_heads`` and ``position``).
+
+        ``num_kv_heads`` is read from the source, never given: its key/value weights fix it
+        (one key/value head per head for torch's module). ``position=`` may be given for a
+        torch source, which has none; the copy then rotates queries and keys, so its
+        outputs differ from the source's.
+
+        Args:
+            module: the ``nn.MultiheadAttention`` to copy.
+            **kwargs: arguments of ``cls`` that ``nn.MultiheadAttention`` does not have.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.MultiheadAttention``; ``kwargs`` repeats a
+                setting read from ``module`` (``num_kv_heads`` included), names an argument
+                ``cls`` does not take, or misses one ``cls`` requires.
+            ValueError: ``module`` uses a setting ``cls`` does not have (e.g.
+                ``add_bias_kv=True`` for ``LocalAttention``).
+
+        Examples:
+            >>> torch_mha = nn.MultiheadAttention(16, 4, batch_first=True)
+            >>> from mmattn import MultiHeadAttention
+            >>> mha = MultiHeadAttention.from_torch(torch_mha)
+            >>> x = torch.randn(2, 5, 16)
+            >>> torch.allclose(mha(x)[0], torch_mha(x, x, x)[0], atol=1e-6)
+            True
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(
+                f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}"
             )
-    for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
-        if mask is not None:
-            raise ValueError(
-                f"{name} must be None for nested input (the nested lengths mark the padding); "
-                "pass padded tensors to use masks"
+        new = cls(**constructor_kwargs(cls, module, kwargs))
+        copy_weights(module, new)
+        return new.train(module.training)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An ``nn.MultiheadAttention`` with the same weights and settings (the inverse).
+
+        Raises:
+            NotImplementedError: a variant with no torch equivalent (see ``no_torch_twin``),
+                or grouped-query attention / a ``position`` module (torch has neither).
+        """
+        _check_torch_twin(type(self), "to_torch")
+        if self.num_kv_heads != self.num_heads or self.position is not None:
+            raise NotImplementedError(
+                f"to_torch is not available with num_kv_heads={self.num_kv_heads} (of "
+                f"num_heads={self.num_heads}) or position={self.position!r}: "
+                "nn.MultiheadAttention has neither grouped-query attention nor positions"
             )
-    (q, q_lens), (k, k_lens), (v, v_lens) = (_to_padded(n, t) for n, t in
-                                             (("query", query), ("key", key), ("value", value)))
-    if not len(q_lens) == len(k_lens) == len(v_lens):
-        raise ValueError(
-            f"query, key and value must have the same batch size, got {len(q_lens)}, "
-            f"{len(k_lens)} and {len(v_lens)}"
+        weight = self.out_proj.weight
+        module = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.q_proj.bias is not None,
+            add_bias_kv=self.bias_k is not None,
+            add_zero_attn=self.add_zero_attn,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=self.batch_first,
+            device=weight.device,
+            dtype=weight.dtype,
         )
-    if k_lens != v_lens:
-        raise ValueError(f"key and value must have the same lengths, got {k_lens} and {v_lens}")
-    positions = torch.arange(k.shape[1], device=k.device)
-    key_padding = positions >= torch.tensor(k_lens, device=k.device)[:, None]  # (b, j)
-    out, weights = module.forward(  # not module(...): the hooks already ran for this call
-        q, k, v, key_padding_mask=key_padding, need_weights=need_weights,
-        average_attn_weights=average_attn_weights, is_causal=is_causal,
-    )
-    if weights is not None:
-        rows = torch.arange(q.shape[1], device=q.device)
-        query_padding = rows >= torch.tensor(q_lens, device=q.device)[:, None]  # (b, i)
-        shape = (-1, q.shape[1], 1) if weights.dim() == 3 else (-1, 1, q.shape[1], 1)
-        weights = weights.masked_fill(query_padding.view(shape), 0.0)
-    return _to_nested(out, q_lens, query.layout), weights
+        copy_into_torch(self, module)
+        return module.train(self.training)
 
 
-def _to_padded(name: str, t: Tensor) -> tuple[Tensor, list[int]]:
-    """Nested (B, j*, D) -> padded (B, max j, D) with zeros, and the B lengths."""
-    if t.dim() != 3:
-        raise ValueError(
-            f"nested {name} must be 3-D (batch, length*, embed_dim), got {t.dim()}-D"
-        )
-    lengths = [part.shape[0] for part in t.unbind()]
-    return t.to_padded_tensor(0.0), lengths
-
-
-def _to_nested(x: Tensor, lengths: list[int], layout: torch.layout) -> Tensor:
-    """Padded (B, L, D) -> nested (B, j*, D) of ``layout`` keeping each sample's length."""
-    return torch.nested.as_nested_tensor(
-        [x[b, :n] for b, n in enumerate(lengths)], layout=layout
-    )
+def _check_torch_twin(cls: type, method: str) -> None:
+    if cls.no_torch_twin is not None:
+        raise NotImplementedError(f"{cls.__name__}.{method} is not available: {cls.no_torch_twin}")

@@ -22,10 +22,11 @@ from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn._helpers import default
-from mmattn.attention import _interop as interop
 from mmattn.attention._appended import append_keys
-from mmattn.attention._decoding import cached_step, check_cache_step
+from mmattn.attention._decoding import Decoding, cached_step, check_cache_step
 from mmattn.attention._inputs import check_inputs
+from mmattn.attention._interop import TorchInterop
+from mmattn.attention._nested import nested_forward
 from mmattn.attention._packed import attend_values, packed_forward
 from mmattn.cache import ContextCache, KVCache, LocalKVCache
 from mmattn.kernels.dense import attend
@@ -36,7 +37,7 @@ from mmattn.rotary import resolve_position
 __all__ = ["MultiHeadAttention"]
 
 
-class MultiHeadAttention(nn.MultiheadAttention):
+class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
     r"""Multi-head attention, a drop-in replacement for ``torch.nn.MultiheadAttention``.
 
     .. math::
@@ -110,48 +111,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
     in_proj_weight = None
     in_proj_bias = None
 
-    #: Why :meth:`to_torch` does not apply to a variant (None: it does). Every class takes
-    #: over an ``nn.MultiheadAttention``'s weights with :meth:`from_torch`.
-    no_torch_twin: ClassVar[str | None] = None
     #: The caches ``forward(..., cache=)`` takes: what :meth:`make_cache` makes, and the
     #: projected context of cross-attention.
     cache_kinds: ClassVar[tuple[type, ...]] = (KVCache, ContextCache)
-
-    @property
-    def q_proj_weight(self) -> Tensor:
-        """``q_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
-        return self.q_proj.weight
-
-    @property
-    def k_proj_weight(self) -> Tensor:
-        """``k_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
-        return self.k_proj.weight
-
-    @property
-    def v_proj_weight(self) -> Tensor:
-        """``v_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
-        return self.v_proj.weight
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # nn.MultiheadAttention.__setstate__ would add _qkv_same_embed_dim=True (for v1.1
-        # checkpoints) and turn PyTorch's packed fast paths on for an unpickled copy.
-        state.pop("_qkv_same_embed_dim", None)
-        nn.Module.__setstate__(self, state)
-
-    def _load_from_state_dict(
-        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
-        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
-    ) -> None:
-        # nn.MultiheadAttention's keys (in_proj_weight, q_proj_weight, ...) become ours.
-        interop.convert_torch_keys(self, state_dict, prefix, error_msgs)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-            error_msgs,
-        )
-
-    def _reset_parameters(self) -> None:
-        # nn.MultiheadAttention's private name, called by client code (PyG's GPSConv).
-        self.reset_parameters()
 
     def __init__(
         self,
@@ -251,51 +213,6 @@ class MultiHeadAttention(nn.MultiheadAttention):
     def _check_position_supported(self) -> None:
         """Hook: a variant where ``position=`` makes no sense raises ValueError here."""
 
-    # ------------------------------------------------------------------ decoding
-
-    def make_cache(
-        self,
-        batch_size: int,
-        max_len: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> KVCache:
-        """A cache for decoding step by step: ``forward(x_step, is_causal=True, cache=cache)``.
-
-        Each call appends its keys and values (after ``position``, at ``offset =
-        len(cache)``) and attends everything cached so far, causally.
-
-        Args:
-            batch_size: the batch every decoding call has.
-            max_len: the most tokens the cache takes.
-            device, dtype: of the buffers (default: those of ``k_proj``'s weight).
-
-        Returns:
-            A :class:`~mmattn.cache.KVCache` with (B, num_kv_heads, max_len, head_dim) buffers.
-
-        Raises:
-            ValueError: ``add_bias_kv`` / ``add_zero_attn`` modules (their appended keys have
-                no position in a growing sequence); bad sizes.
-        """
-        self._check_cacheable()
-        weight = self.k_proj.weight
-        return KVCache(
-            batch_size, max_len, self.num_kv_heads, self.head_dim,
-            device=default(device, weight.device), dtype=default(dtype, weight.dtype),
-        )
-
-    def _cache_rules(self) -> tuple[int | None, bool]:
-        """What a cache must match: (its window, or None for a full cache; always causal)."""
-        return None, False
-
-    def _check_cacheable(self) -> None:
-        if self.bias_k is not None or self.add_zero_attn:
-            raise ValueError(
-                f"{type(self).__name__} with add_bias_kv or add_zero_attn has no cache: the "
-                "appended key has no place in a sequence that grows step by step"
-            )
-
     # ------------------------------------------------------------------ what runners ask
 
     def _check_lengths(
@@ -394,7 +311,7 @@ class MultiHeadAttention(nn.MultiheadAttention):
         if isinstance(query, Tensor) and query.is_nested:
             if cache is not None:
                 raise ValueError("cache= does not take nested (jagged) input; decode padded")
-            return interop.nested_forward(
+            return nested_forward(
                 self, query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal,
             )
@@ -465,15 +382,6 @@ class MultiHeadAttention(nn.MultiheadAttention):
             q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
         )
 
-    def _attend_cached(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
-        need_weights: bool,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Attention over what a cache returned; its mask already holds the causal rule."""
-        return self._attention(
-            q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights
-        )
-
     def _attention(
         self,
         q: Tensor,
@@ -521,86 +429,3 @@ class MultiHeadAttention(nn.MultiheadAttention):
     ) -> bool:
         """Validate shapes, dtypes and devices; return whether the input is batched."""
         return check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal)
-
-    # ------------------------------------------------------------------ torch interop
-
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, **kwargs: Any) -> MultiHeadAttention:
-        """Build one with the same weights and settings as an ``nn.MultiheadAttention``.
-
-        Packed (``in_proj_weight``) and separate (``q_proj_weight`` ...) layouts are both
-        read. The result keeps the source's ``batch_first``, dropout, device, dtype,
-        train/eval mode and each parameter's ``requires_grad``, and gives identical outputs.
-
-        A variant takes over the projection weights the same way; its own arguments come as
-        keywords, e.g. ``LocalAttention.from_torch(m, window_size=64)``, and its own extra
-        parameters (``AdditiveAttention.score_weight`` ...) keep their fresh initialisation.
-        ``module`` may also be an mmattn attention module (its projections are copied, with
-        its ``num_kv_heads`` and ``position``).
-
-        ``num_kv_heads`` is read from the source, never given: its key/value weights fix it
-        (one key/value head per head for torch's module). ``position=`` may be given for a
-        torch source, which has none; the copy then rotates queries and keys, so its
-        outputs differ from the source's.
-
-        Args:
-            module: the ``nn.MultiheadAttention`` to copy.
-            **kwargs: arguments of ``cls`` that ``nn.MultiheadAttention`` does not have.
-
-        Raises:
-            TypeError: ``module`` is not an ``nn.MultiheadAttention``; ``kwargs`` repeats a
-                setting read from ``module`` (``num_kv_heads`` included), names an argument
-                ``cls`` does not take, or misses one ``cls`` requires.
-            ValueError: ``module`` uses a setting ``cls`` does not have (e.g.
-                ``add_bias_kv=True`` for ``LocalAttention``).
-
-        Examples:
-            >>> torch_mha = nn.MultiheadAttention(16, 4, batch_first=True)
-            >>> mha = MultiHeadAttention.from_torch(torch_mha)
-            >>> x = torch.randn(2, 5, 16)
-            >>> torch.allclose(mha(x)[0], torch_mha(x, x, x)[0], atol=1e-6)
-            True
-        """
-        if not isinstance(module, nn.MultiheadAttention):
-            raise TypeError(
-                f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}"
-            )
-        new = cls(**interop.constructor_kwargs(cls, module, kwargs))
-        interop.copy_weights(module, new)
-        return new.train(module.training)
-
-    def to_torch(self) -> nn.MultiheadAttention:
-        """An ``nn.MultiheadAttention`` with the same weights and settings (the inverse).
-
-        Raises:
-            NotImplementedError: a variant with no torch equivalent (see ``no_torch_twin``),
-                or grouped-query attention / a ``position`` module (torch has neither).
-        """
-        _check_torch_twin(type(self), "to_torch")
-        if self.num_kv_heads != self.num_heads or self.position is not None:
-            raise NotImplementedError(
-                f"to_torch is not available with num_kv_heads={self.num_kv_heads} (of "
-                f"num_heads={self.num_heads}) or position={self.position!r}: "
-                "nn.MultiheadAttention has neither grouped-query attention nor positions"
-            )
-        weight = self.out_proj.weight
-        module = nn.MultiheadAttention(
-            self.embed_dim,
-            self.num_heads,
-            dropout=self.dropout,
-            bias=self.q_proj.bias is not None,
-            add_bias_kv=self.bias_k is not None,
-            add_zero_attn=self.add_zero_attn,
-            kdim=self.kdim,
-            vdim=self.vdim,
-            batch_first=self.batch_first,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        interop.copy_into_torch(self, module)
-        return module.train(self.training)
-
-
-def _check_torch_twin(cls: type, method: str) -> None:
-    if cls.no_torch_twin is not None:
-        raise NotImplementedError(f"{cls.__name__}.{method} is not available: {cls.no_torch_twin}")
