@@ -1,10 +1,13 @@
 """Imports go one way: no cycle inside ``mmattn`` or ``adapters``, and none between them.
 
-The graph is read from the source with ``ast`` — every ``import`` statement, at module level
-or inside a function (a lazy import that dodges a cycle still counts), except those under
-``if TYPE_CHECKING:``. ``from pkg import name`` is an edge to ``pkg.name`` when that is a
-module, else to ``pkg`` itself. A second test imports ``mmattn`` in a fresh interpreter and
-checks that no module is loaded twice.
+The graph is read from the source with ``ast`` — every ``import`` statement, at module level,
+inside a function (a lazy import that dodges a cycle still counts) or under
+``if TYPE_CHECKING:`` (a cycle hidden from the interpreter is still a cycle).
+``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``
+itself. A second test imports ``mmattn`` in a fresh interpreter and checks that no module is
+loaded twice. The layering rules of the tree (docs/concepts.md) are checked here too: kernels
+import no layer, layers import no block, no class is recognised by its name string, and no
+file is longer than 450 lines.
 """
 
 from __future__ import annotations
@@ -31,25 +34,14 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return skipped
-
-
 def import_graph() -> dict[str, set[str]]:
     """{module: the package modules it imports} for mmattn and adapters."""
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        skipped = _type_checking_nodes(tree)
         is_package = path.name == "__init__.py"
         for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -106,6 +98,83 @@ def test_mmattn_never_imports_adapters():
     back = {m: sorted(t for t in ts if t.startswith("adapters"))
             for m, ts in graph.items() if m.startswith("mmattn")}
     assert not any(back.values()), back
+
+
+#: (lower layer, higher layers it must not import): the arrows of docs/concepts.md.
+LAYERS = [
+    ("mmattn.kernels", ("mmattn.attention", "mmattn.blocks", "mmattn.integrations",
+                        "mmattn.distributed", "mmattn.debug", "mmattn.registry")),
+    ("mmattn.attention", ("mmattn.blocks", "mmattn.integrations", "mmattn.distributed",
+                          "mmattn.debug", "mmattn.registry")),
+    ("mmattn.blocks", ("mmattn.integrations", "mmattn.distributed", "mmattn.debug")),
+]
+
+
+@pytest.mark.parametrize(("lower", "higher"), LAYERS)
+def test_arrows_point_down(lower, higher):
+    graph = import_graph()
+    up = {m: sorted(t for t in ts if t.startswith(higher))
+          for m, ts in graph.items() if m == lower or m.startswith(lower + ".")}
+    assert not any(up.values()), f"{lower} imports a layer above it: {up}"
+
+
+def _name_string_checks(tree: ast.AST) -> list[str]:
+    """Comparisons against a class's ``__qualname__``/``__name__``/``__module__`` string, or
+    against a string spelling an mmattn module path: how a cycle hides an isinstance."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        text = ast.unparse(node)
+        strings = [n.value for n in ast.walk(node)
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        dunder = any(name in text for name in ("__qualname__", "__module__"))
+        if (dunder and strings) or any(s.startswith("mmattn.") for s in strings):
+            found.append(text)
+    return found
+
+
+def test_no_class_is_recognised_by_its_name_string():
+    found = {name: checks for name, path in _modules().items()
+             if (checks := _name_string_checks(ast.parse(path.read_text())))}
+    assert not found, f"classes recognised by name strings: {found}"
+
+
+def test_name_string_finder_finds_a_planted_check():
+    planted = ast.parse(
+        'ok = (cls.__module__, cls.__qualname__) == ("mmattn.attention.mha", "X")'
+    )
+    assert _name_string_checks(planted)
+    assert not _name_string_checks(ast.parse("ok = isinstance(m, MultiHeadAttention)"))
+
+
+def test_type_checking_imports_are_edges():
+    assert find_cycle(_graph_of({
+        "pkg.a": "from pkg import b\n",
+        "pkg.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n",
+    })) is not None
+
+
+def _graph_of(sources: dict[str, str]) -> dict[str, set[str]]:
+    """import_graph's edge rule on in-memory modules (for the planted-cycle tests)."""
+    graph: dict[str, set[str]] = {name: set() for name in sources}
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module in ("pkg",):
+                graph[name] |= {f"pkg.{a.name}" for a in node.names} & set(sources)
+    return graph
+
+
+MAX_LINES = 450
+
+
+def test_no_file_is_over_450_lines():
+    long = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if (lines := len(path.read_text().splitlines())) > MAX_LINES:
+                long[str(path.relative_to(ROOT))] = lines
+    assert not long, f"files over {MAX_LINES} lines (split them): {long}"
 
 
 def test_cycle_finder_finds_a_planted_cycle():

@@ -19,90 +19,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn.attention.cross import CrossAttention
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.blocks._packed import attend_packed, check_same_layout
+from mmattn.blocks._parts import MLP, block_attn_mask, check_common
 from mmattn.cache import ContextCache
 from mmattn.kernels.packed import contiguous_parts, jagged
 from mmattn.registry import AttentionSpec, build_attention, resolve_attention
 from mmattn.tokens import Tokens, check_tokens
 
 __all__ = ["TransformerBlock", "CrossAttentionBlock", "Encoder", "MLP"]
-
-
-def block_attn_mask(
-    attn_mask: Tensor | None, batch_size: int, num_heads: int, q_len: int, k_len: int
-) -> Tensor | None:
-    """Accept a module-direction mask of shape (i, j), (b, i, j) or (b*h, i, j).
-
-    A per-sample (b, i, j) mask is repeated for every head, as ``nn.MultiheadAttention``
-    wants (b*h, i, j). Masks of other shapes raise ValueError naming ``attn_mask``.
-    """
-    if attn_mask is None:
-        return None
-    checks.check_tensor("attn_mask", attn_mask)
-    checks.check_mask_dtype("attn_mask", attn_mask)
-    shape = tuple(attn_mask.shape)
-    if shape in ((q_len, k_len), (batch_size * num_heads, q_len, k_len)):
-        return attn_mask
-    if shape == (batch_size, q_len, k_len):
-        return repeat(attn_mask, "b i j -> (b h) i j", h=num_heads)
-    raise ValueError(
-        f"attn_mask must have shape {(q_len, k_len)}, {(batch_size, q_len, k_len)} or "
-        f"{(batch_size * num_heads, q_len, k_len)} (True = not allowed), got {shape}"
-    )
-
-
-class MLP(nn.Sequential):
-    """The position-wise feed-forward network: Linear → GELU → Dropout → Linear → Dropout.
-
-    Args:
-        embed_dim: input and output width D.
-        hidden_dim: inner width.
-        dropout: dropout probability after the activation and after the output.
-        bias: biases on both linear layers.
-        device, dtype: factory arguments.
-
-    Shape:
-        - input: (..., D); returns (..., D)
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        hidden_dim: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
-        super().__init__(
-            nn.Linear(embed_dim, hidden_dim, bias=bias, **factory),
-            nn.GELU(),
-            nn.Dropout(dropout),
-            nn.Linear(hidden_dim, embed_dim, bias=bias, **factory),
-            nn.Dropout(dropout),
-        )
-
-    def reset_parameters(self) -> None:
-        self[0].reset_parameters()
-        self[3].reset_parameters()
-
-
-def _check_common(
-    embed_dim: object, num_heads: object, dropout: object, mlp_ratio: object, norm_eps: object
-) -> int:
-    checks.check_positive_int("embed_dim", embed_dim)
-    checks.check_positive_int("num_heads", num_heads)
-    checks.check_probability("dropout", dropout)
-    checks.check_number("mlp_ratio", mlp_ratio, positive=True)
-    checks.check_number("norm_eps", norm_eps, minimum=0.0)
-    return max(1, round(embed_dim * mlp_ratio))
 
 
 class TransformerBlock(nn.Module):
@@ -175,7 +104,7 @@ class TransformerBlock(nn.Module):
         attention_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
+        hidden = check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
         label, _ = resolve_attention(attention)
         kwargs = dict(attention_kwargs or {})
         if window_size is not None:
@@ -320,7 +249,7 @@ class CrossAttentionBlock(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        hidden = _check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
+        hidden = check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
         kdim = checks.check_positive_int("kdim", embed_dim if kdim is None else kdim)
         factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
         self.embed_dim = embed_dim
