@@ -205,7 +205,11 @@ def record_attention(
     An attention module is any submodule whose ``forward`` takes ``need_weights`` (every
     mmattn attention class, ``torch.nn.MultiheadAttention``). Each call is made with
     ``need_weights=True`` so the explicit softmax path runs and returns its weights; the
-    weights are stored, and a caller that did not ask for them still receives ``None``.
+    weights are stored, and a caller that did not ask for them still receives ``None``. A
+    module whose ``forward`` returns a bare tensor unless asked for weights (timm's
+    convention) says so with the class attribute ``bare_output_without_weights = True``
+    (:class:`mmattn.integrations.timm.Attention` does); its caller then gets the bare tensor,
+    so the maps inside timm models are recorded, fused path or not.
 
     Recording forces the explicit path: inside the block every attention call computes
     softmax(QKᵀ/√e)V step by step instead of the fused SDPA kernel, so it is slower and
@@ -257,7 +261,9 @@ def record_attention(
             out, weights = output
             if weights is not None:
                 maps.setdefault(name, []).append(weights.detach() if detach else weights)
-            return output if wanted else (out, None)
+            if wanted:
+                return output
+            return out if getattr(module, "bare_output_without_weights", False) else (out, None)
 
         return pre_hook, hook
 

@@ -2,4 +2,6 @@
 
 - :mod:`~mmattn.integrations.torch` — :func:`replace_attention` (swap every
   ``nn.MultiheadAttention`` in a model for ours, weights kept).
+- :mod:`~mmattn.integrations.timm` — :class:`~mmattn.integrations.timm.Attention`, timm's
+  ``Attention`` on mmattn's kernel (``pip install "mmattn[timm]"``; imported only when used).
 """

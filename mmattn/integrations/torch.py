@@ -7,6 +7,7 @@ itself uses) so that imports go one way: ``integrations -> attention -> attentio
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -34,6 +35,12 @@ def replace_attention(
     does not convert the batch to a NestedTensor around our module (our module would accept
     it, but padding and the key padding mask are faster).
 
+    When timm is loaded, every ``timm.layers.Attention`` is swapped too, for
+    :class:`mmattn.integrations.timm.Attention` (same submodules and parameters, so a timm
+    state_dict still loads with ``strict=True``; see
+    :func:`~mmattn.integrations.timm.replace_timm_attention`); ``factory`` applies to
+    ``nn.MultiheadAttention`` modules only.
+
     Args:
         model: any ``nn.Module``; it is modified in place.
         factory: ``factory(m) -> nn.Module`` called with each ``nn.MultiheadAttention``; it
@@ -41,14 +48,15 @@ def replace_attention(
             one). Default: ``MultiHeadAttention.from_torch``.
 
     Returns:
-        How many modules were replaced (0 when there are none).
+        How many modules were replaced, timm ones included (0 when there are none).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``factory`` is not callable or returned
             something that is not an ``nn.Module`` (the message names the submodule).
-        ValueError: ``model`` is itself an ``nn.MultiheadAttention`` (there is no parent to
-            put the new one in: use ``from_torch``); the factory's module has another
-            ``embed_dim`` or ``batch_first`` (the message names the submodule).
+        ValueError: ``model`` is itself an ``nn.MultiheadAttention`` or a timm ``Attention``
+            (there is no parent to put the new one in: use ``from_torch`` / ``from_timm``);
+            the factory's module has another ``embed_dim`` or ``batch_first`` (the message
+            names the submodule).
 
     Examples:
         >>> layer = nn.TransformerEncoderLayer(16, 4, batch_first=True)
@@ -84,10 +92,15 @@ def replace_attention(
             if id(child) not in replaced:
                 replaced[id(child)] = _build(build, child, path, custom=factory is not None)
             setattr(parent, name, replaced[id(child)])
+    count = len(replaced)
+    if sys.modules.get("timm") is not None:  # a timm module exists only once timm is loaded
+        from mmattn.integrations.timm import replace_timm_attention
+
+        count += replace_timm_attention(model)
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoder):
             module.use_nested_tensor = False
-    return len(replaced)
+    return count
 
 
 def _is_torch_attention(module: nn.Module, ours: type) -> bool:
