@@ -20,6 +20,7 @@ OPTIONAL = {
     "adapters/audio.py": "torchaudio",
     "adapters/graph.py": "torch_geometric",
     "adapters/image.py": "torchvision",  # image_transform's example
+    "mmattn/integrations/timm.py": "timm",
 }
 
 collect_ignore = [path for path, library in OPTIONAL.items() if find_spec(library) is None]
