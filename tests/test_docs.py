@@ -33,11 +33,13 @@ PAGES = [
     "variants.md#writing-your-own-attention-variant",
     "decoding.md",
     "packed.md",
+    "integrations.md#timm",
 ]
 NEEDS = {
     "adapters/audio.md": "torchaudio",
     "adapters/graph.md": "torch_geometric",
     "debugging.md": "matplotlib",
+    "integrations.md#timm": "timm",
 }
 
 

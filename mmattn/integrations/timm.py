@@ -274,7 +274,7 @@ class Attention(nn.Module):
             )
         out, weights = attend(
             q, k, v, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale,
-            need_weights=need_weights or forced, report_path=not forced,
+            need_weights=need_weights or forced, report_path=not forced, groups=1,
         )
         out = self.norm(rearrange(out, "b h i e -> b i (h e)"))
         if gate is not None:
