@@ -1,0 +1,212 @@
+"""The kernels behind the Hugging Face backend, and how a mask earns a fast one.
+
+Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``g`` query heads per key
+head, ``i`` query length, ``j`` key length, ``t`` tokens of a packed row, ``e`` head width,
+``n`` items in a bucket.
+
+transformers hands the backend a dense boolean mask (True = may attend) built by its own
+``sdpa_mask``, so every pattern its models describe (causal, padding, sliding windows,
+packed sequences, chunks, image blocks) arrives exactly as transformers means it. A faster
+kernel runs only where the mask is *proved* to be the pattern that kernel computes:
+
+- **sliding window**: the module passes ``sliding_window=w``; the mask must equal transformers'
+  ``kv > q - w and kv <= q`` (``|q - kv| <= w`` for bidirectional windows) AND the real-key
+  row read off the diagonal, bit for bit. Then :func:`mmattn.kernels.blocked.local_attend`
+  runs it in O(L·w).
+- **packed sequences** (``DataCollatorWithFlattening``): ``position_ids`` restart at 0 and the
+  mask must equal "same sequence and causal". Then the bucketed packed kernel
+  (:mod:`mmattn.kernels.packed`) runs each sequence on its own, never a (t, t) attention.
+
+The proof is one pass over the mask, remembered on the mask tensor (every layer of a forward
+shares it). Anything else runs the dense kernel on the mask as given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from mmattn.kernels import dense as _kernel
+from mmattn.kernels.blocked import local_attend
+from mmattn.kernels.packed import layout
+from mmattn.kernels.packed import report as report_packed
+
+_MEMO = "_mmattn_patterns"
+
+
+def _memo(mask: Tensor, key: tuple, compute) -> Any:
+    """``compute()`` once per mask tensor (and in-place version), remembered on the tensor."""
+    store = getattr(mask, _MEMO, None)
+    if store is None or store[0] != mask._version:
+        store = (mask._version, {})
+        try:
+            setattr(mask, _MEMO, store)
+        except (AttributeError, RuntimeError):  # a tensor that takes no attributes: no memo
+            return compute()
+    found = store[1]
+    if key not in found:
+        found[key] = compute()
+    return found[key]
+
+
+# ---------------------------------------------------------------------- sliding window
+
+
+def window_pattern(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None] | None:
+    """``(window_size, causal, key_mask)`` for local_attend when ``mask`` is a band, else None.
+
+    Shape:
+        - mask: (b, 1, l, l) bool, True = may attend
+        - key_mask: (b, l) bool (True = real key), or None when every key is real
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2]:
+        return None
+    return _memo(mask, ("window", window), lambda: _find_window(mask, window))
+
+
+def _find_window(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None] | None:
+    length = mask.shape[-1]
+    real = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # (b, l): key j is real iff j sees itself
+    position = torch.arange(length, device=mask.device)
+    offset = position[:, None] - position[None, :]  # i - j, (i, j)
+    keys = rearrange(real, "b j -> b 1 1 j")
+    # transformers' causal window: kv > q - w and kv <= q, i.e. 0 <= i - j <= w - 1
+    for size, causal, band in (
+        (window - 1, True, (offset >= 0) & (offset < window)),
+        (window, False, offset.abs() <= window),
+    ):
+        if size >= 0 and torch.equal(mask, band & keys):
+            return size, causal, (None if bool(real.all()) else real)
+    return None
+
+
+def run_window(
+    q: Tensor, k: Tensor, v: Tensor, pattern: tuple[int, bool, Tensor | None], *,
+    dropout_p: float, scale: float,
+) -> Tensor:
+    """The blocked band kernel; (b, h, l, e) in and out."""
+    size, causal, key_mask = pattern
+    out, _ = local_attend(
+        q, k, v, size, causal=causal, key_mask=key_mask, dropout_p=dropout_p, scale=scale
+    )
+    return out
+
+
+# ---------------------------------------------------------------------- packed sequences
+
+
+def packed_lengths(mask: Tensor, position_ids: Tensor) -> list[int] | None:
+    """Per-sequence lengths, row by row, when ``mask`` is transformers' packed causal mask.
+
+    A sequence starts where ``position_ids`` does not step by one (transformers'
+    ``find_packed_sequence_indices``). None when no row holds two sequences or the mask is
+    anything else.
+
+    Shape:
+        - mask: (b, 1, t, t) bool; position_ids: (b | 1, t) integer
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2]:
+        return None
+    if position_ids.dim() != 2 or position_ids.shape[-1] != mask.shape[-1]:
+        return None
+    if position_ids.shape[0] not in (1, mask.shape[0]):
+        return None
+    key = ("packed", id(position_ids), position_ids._version)
+    return _memo(mask, key, lambda: _find_packed(mask, position_ids))
+
+
+def _find_packed(mask: Tensor, position_ids: Tensor) -> list[int] | None:
+    batch, _, length, _ = mask.shape
+    pos = position_ids.to(mask.device).expand(batch, -1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos.diff(dim=-1) != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    sequence = starts.cumsum(-1)  # (b, t)
+    same = rearrange(sequence, "b i -> b 1 i 1") == rearrange(sequence, "b j -> b 1 1 j")
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    if not torch.equal(mask, same & causal):
+        return None
+    first = starts.flatten().nonzero().flatten()
+    ends = torch.cat([first[1:], first.new_tensor([batch * length])])
+    return (ends - first).tolist()
+
+
+def run_packed(
+    q: Tensor, k: Tensor, v: Tensor, lengths: list[int], *, dropout_p: float, scale: float
+) -> Tensor:
+    """Causal attention of each packed sequence alone, bucket by bucket (no (t, t) scores).
+
+    The rows of every row of the batch are one list of sequences; the bucket plan of
+    :mod:`mmattn.kernels.packed` gathers sequences of similar length, pads each to its
+    bucket (repeating its own last row), and runs one causal call per bucket.
+
+    Shape:
+        - q: (b, h, t, e); k, v: (b, k, t, e); returns (b, h, t, e)
+    """
+    batch, heads, _, width = q.shape
+    rows = [rearrange(x, "b h t e -> (b t) h e") for x in (q, k, v)]
+    lens = tuple(lengths)
+    plan = layout(lens, lens, lens, (), heads * width, q.device)
+    if _kernel.reporting():
+        sizes = [(len(b.items), b.q_len, b.k_len) for b in plan.buckets]
+        report_packed("hf-buckets", [], buckets=sizes, q_lengths=list(lens), is_causal=True)
+    sizes = [len(b.items) * b.q_len for b in plan.buckets]
+    qs = rows[0].index_select(0, plan.q_index).split(sizes)
+    ks = rows[1].index_select(0, plan.k_index).split(sizes)
+    vs = rows[2].index_select(0, plan.k_index).split(sizes)
+    outs = []
+    for index, bucket in enumerate(plan.buckets):
+        n = len(bucket.items)
+        qb, kb, vb = (
+            rearrange(x[index], "(n i) h e -> n h i e", n=n) for x in (qs, ks, vs)
+        )
+        out, _ = _kernel.attend(
+            qb, kb, vb, plan.key_masks[index], dropout_p=dropout_p, is_causal=True,
+            scale=scale, report_path=False,
+        )
+        outs.append(rearrange(out, "n h i e -> (n i) h e"))
+    outs.append(q.new_zeros(1, heads, v.shape[-1]))  # the row of sequences left out (none)
+    out = torch.cat(outs).index_select(0, plan.rows)
+    return rearrange(out, "(b t) h e -> b h t e", b=batch)
+
+
+# ---------------------------------------------------------------------- soft-capped scores
+
+
+def softcap_attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, softcap: float, scale: float,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """Gemma 2's capped scores: softmax(softcap · tanh(q kᵀ · scale / softcap) + mask) v.
+
+    The explicit path (no fused kernel caps scores); grouped query heads share their key
+    head's K and V without a copy. Rows with no allowed key give zeros.
+
+    Shape:
+        - q: (b, h, i, e); k, v: (b, k, j, e); mask: bool or float, broadcastable to
+          (b, h, i, j), or None
+        - returns: (b, h, i, e) and the weights (b, h, i, j)
+    """
+    if _kernel.reporting():
+        _kernel.report(
+            "explicit", ["softcap caps the scores before the softmax (no fused kernel does)"],
+            q=q, k=k, v=v, mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale,
+        )
+    if mask is not None:
+        k, v = _kernel.clear_dead_keys(mask, k, v)
+    groups = q.shape[1] // k.shape[1]
+    rows = q.shape[-2]
+    if groups > 1:
+        q = rearrange(q, "b (k g) i e -> b k (g i) e", g=groups)
+        mask = None if mask is None else _kernel.group_mask(mask, groups, rows)
+    scores = _kernel.dot_scores(q, k, scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    out, weights = _kernel.softmax_attend(scores, v, mask, dropout_p)
+    if groups > 1:
+        out = rearrange(out, "b k (g i) e -> b (k g) i e", g=groups, i=rows)
+        weights = rearrange(weights, "b k (g i) j -> b (k g) i j", g=groups, i=rows)
+    return out, weights

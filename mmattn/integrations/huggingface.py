@@ -1,0 +1,301 @@
+"""mmattn as an attention backend of Hugging Face transformers.
+
+Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``i`` query length, ``j`` key
+length, ``e`` head width.
+
+transformers (v5) calls attention through two registries: ``AttentionInterface`` maps a name
+to the function every attention module calls, ``AttentionMaskInterface`` maps it to the
+function that builds the mask the model hands that function. :func:`register` fills both::
+
+    model.set_attn_implementation("mmattn")
+      mask:      create_causal_mask / create_bidirectional_mask / sliding ─▶ attention_mask()
+                 (transformers' own sdpa_mask: bool, True = may attend, or None)
+      attention: module(q (b, h, i, e), k, v (b, k, j, e), mask, **kwargs) ─▶ attention_forward()
+                 ─▶ out (b, i, h, e), weights (b, h, i, j) | None
+
+Both are needed: a name registered without a mask function gets *no* mask at all (causal,
+padding and windows are silently dropped), and only the class-wide ``register`` call counts —
+writing ``ALL_MASK_ATTENTION_FUNCTIONS[name] = fn`` puts it where transformers never looks.
+
+``attention_forward`` runs mmattn's kernels: the dense one (fused SDPA or its explicit twin,
+``MMATTN_FUSED_ATTN``), the O(L·w) blocked band for sliding windows, the bucketed packed
+kernel for ``DataCollatorWithFlattening`` batches, and an explicit path for Gemma 2's soft
+cap; see :mod:`mmattn.integrations._hf_patterns` for when each runs. An argument it cannot
+honour raises, naming the model and the argument; nothing is silently ignored.
+
+``import mmattn`` never imports transformers; :func:`register` does, and raises ImportError
+naming the ``mmattn[hf]`` extra when it is missing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from mmattn.integrations import _hf_patterns as _patterns
+from mmattn.kernels import dense as _kernel
+
+#: The name :func:`register` uses by default.
+DEFAULT_NAME = "mmattn"
+
+#: Substrings transformers treats specially in a backend name (flash-attention dispatch and
+#: padding-free inputs, SDPA capability checks, BlockMask creation).
+RESERVED_PARTS = ("flash", "sdpa", "flex_attention")
+
+#: Keyword arguments models pass that do not change the attention numbers (bookkeeping for
+#: other layers, for output capture, or packing metadata that the mask already states).
+IGNORED_KWARGS = frozenset({
+    "position_ids",  # read for packed batches
+    "output_attentions",  # read: weights only when asked
+    "output_hidden_states", "output_router_logits", "return_dict", "use_cache",
+    "cache_position", "past_key_values", "past_key_value", "layer_idx",
+    "encoder_hidden_states", "encoder_attention_mask", "num_items_in_batch",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+})
+
+#: Arguments that change the numbers in ways mmattn does not implement, and what they are.
+UNSUPPORTED_KWARGS = {
+    "s_aux": "attention sinks (a learned logit per head added to every softmax)",
+    "sinks": "attention sinks (a learned logit per head added to every softmax)",
+    "cache": "a paged KV cache (continuous batching)",
+    "head_mask": "a per-head multiplier on the attention weights",
+}
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register mmattn in transformers' attention and mask registries under ``name``.
+
+    Afterwards ``model.set_attn_implementation(name)`` (or ``from_pretrained(...,
+    attn_implementation=name)``) runs every attention call of a model through
+    :func:`attention_forward`, with masks from :func:`attention_mask`. Registering again is
+    harmless.
+
+    Args:
+        name: the backend name. transformers gives special handling to names containing
+            ``"flash"``, ``"sdpa"`` or ``"flex_attention"``, starting with ``"paged|"``, or
+            shaped like a hub kernel (``"org/repo"``), and ``"eager"`` is its own fallback:
+            such names are refused.
+
+    Returns:
+        ``name``, to pass to ``set_attn_implementation``.
+
+    Raises:
+        ImportError: transformers is not installed (``pip install 'mmattn[hf]'``).
+        TypeError: ``name`` is not a string.
+        ValueError: ``name`` is empty or reserved by transformers.
+
+    Examples:
+        >>> from mmattn.integrations.huggingface import register
+        >>> register()  # doctest: +SKIP
+        'mmattn'
+    """
+    _check_name(name)
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as error:
+        raise ImportError(
+            "mmattn.integrations.huggingface needs transformers; install the extra: "
+            "pip install 'mmattn[hf]'"
+        ) from error
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    lowered = name.lower()
+    reason = None
+    if not name.strip():
+        reason = "it is empty"
+    elif lowered == "eager":
+        reason = "'eager' is transformers' built-in fallback"
+    elif lowered.startswith("paged|"):
+        reason = "transformers routes 'paged|' names to its paged-cache backends"
+    elif "/" in name or ":" in name:
+        reason = "transformers reads 'org/repo' names as hub kernels to download"
+    else:
+        for part in RESERVED_PARTS:
+            if part in lowered:
+                reason = f"transformers gives names containing {part!r} special handling"
+    if reason:
+        raise ValueError(f"name {name!r} cannot be registered: {reason}; use e.g. 'mmattn'")
+
+
+def attention_mask(**kwargs: Any) -> Tensor | None:
+    """The mask function registered in ``AttentionMaskInterface``: transformers' own SDPA mask.
+
+    A (b, 1, i, j) bool mask, True = may attend, or None where plain ``is_causal`` (or no
+    mask) says the same. transformers calls it with keyword arguments (``batch_size``,
+    ``q_length``, ``kv_length``, ``mask_function``, ``attention_mask``, ...).
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(**kwargs)
+
+
+def attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The function transformers calls for every attention of a model set to mmattn.
+
+    Args:
+        module: the calling attention module (its ``is_causal`` is the default causality).
+        query, key, value: projected heads; key and value may have fewer heads (GQA: each
+            key head serves ``h / k`` query heads, never repeated).
+        attention_mask: bool (True = may attend) or float (added), broadcastable to
+            (b, h, i, j); None = no mask (causal when ``is_causal``).
+        dropout: dropout on the weights (transformers passes 0 in eval mode).
+        scaling: score scale; default ``1 / sqrt(e)``.
+        is_causal: overrides ``module.is_causal``.
+        sliding_window: the module's window (key j visible from query i iff
+            ``i - w < j <= i``); runs on the blocked band kernel.
+        softcap: Gemma 2's cap: scores become ``softcap · tanh(scores / softcap)``.
+        position_bias: T5's additive (1 | b, h, i, j) bias.
+        **kwargs: ``output_attentions`` (return the weights), ``position_ids`` (packed
+            batches) and bookkeeping that does not change numbers; anything else raises.
+
+    Shape:
+        - query: (b, h, i, e); key, value: (b, k, j, e)
+        - returns: (b, i, h, e), and the weights (b, h, i, j) when ``output_attentions``
+
+    Raises:
+        TypeError: an unknown keyword argument, or a mask that is not a tensor.
+        ValueError: an argument mmattn cannot honour (attention sinks, a paged cache, ...)
+            or head counts that do not divide.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+        >>> layer = nn.Module(); layer.is_causal = True
+        >>> out, weights = attention_forward(layer, q, k, v, None)
+        >>> tuple(out.shape), weights
+        ((2, 5, 4, 8), None)
+    """
+    _check_kwargs(module, kwargs)
+    need_weights = bool(kwargs.get("output_attentions"))
+    mask = attention_mask
+    if mask is not None and not isinstance(mask, Tensor):
+        raise TypeError(
+            f"{_who(module)}: attention_mask must be a tensor or None, got "
+            f"{type(mask).__name__} (was the model built for another attention backend?)"
+        )
+    _check_heads(module, query, key, value)
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+    # Causality as transformers' SDPA backend decides it: the mask wins when there is one.
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_len > 1 and mask is None and causal)
+    if causal and k_len > q_len:  # an empty static cache at prefill: drop the unused tail
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+        position_bias = None if position_bias is None else position_bias[..., :q_len]
+    if position_bias is not None:
+        mask = _with_bias(position_bias, mask, causal, q_len, key.shape[-2])
+        causal = False
+
+    if softcap is not None:
+        if causal:
+            mask = _kernel.with_causal(mask, q_len, key.shape[-2], query.device)
+        out, weights = _patterns.softcap_attend(
+            query, key, value, mask, softcap=float(softcap), scale=scaling, dropout_p=dropout
+        )
+        return _heads_last(out), (weights if need_weights else None)
+    if not need_weights and mask is not None and mask.dtype == torch.bool and q_len == k_len:
+        position_ids = kwargs.get("position_ids")
+        if isinstance(position_ids, Tensor) and sliding_window is None:
+            lengths = _patterns.packed_lengths(mask, position_ids)
+            if lengths is not None:
+                out = _patterns.run_packed(
+                    query, key, value, lengths, dropout_p=dropout, scale=scaling
+                )
+                return _heads_last(out), None
+        if sliding_window is not None:
+            pattern = _patterns.window_pattern(mask, int(sliding_window))
+            if pattern is not None:
+                out = _patterns.run_window(
+                    query, key, value, pattern, dropout_p=dropout, scale=scaling
+                )
+                return _heads_last(out), None
+    out, weights = _kernel.attend(
+        query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling,
+        need_weights=need_weights,
+    )
+    return _heads_last(out), weights
+
+
+def _heads_last(out: Tensor) -> Tensor:
+    return rearrange(out, "b h i e -> b i h e").contiguous()
+
+
+def _with_bias(
+    bias: Tensor, mask: Tensor | None, causal: bool, q_len: int, k_len: int
+) -> Tensor:
+    """T5's position bias folded into one additive mask (-inf where not allowed)."""
+    if mask is None:
+        return _kernel.with_causal(bias, q_len, k_len, bias.device) if causal else bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask
+
+
+def _who(module: nn.Module) -> str:
+    """``LlamaAttention (model type 'llama')``: the module and model a message is about."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    suffix = f" (model type {model_type!r})" if model_type else ""
+    return f"{type(module).__name__}{suffix}"
+
+
+def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    for name, value in kwargs.items():
+        if name in IGNORED_KWARGS or value is None:
+            continue
+        if name in UNSUPPORTED_KWARGS:
+            raise ValueError(
+                f"{_who(module)} passed {name}: {UNSUPPORTED_KWARGS[name]}, which the mmattn "
+                f"attention backend does not implement; use attn_implementation='eager'"
+            )
+        raise TypeError(
+            f"{_who(module)} passed the keyword argument {name}={_short(value)}, which the "
+            f"mmattn attention backend does not know; rather than ignore something that may "
+            f"change the result it refuses (use attn_implementation='eager', or report it)"
+        )
+
+
+def _short(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_heads(module: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> None:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"{_who(module)}: query, key and value must be (b, h, l, e), got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads == 0 or heads % kv_heads or value.shape[1] != kv_heads:
+        raise ValueError(
+            f"{_who(module)}: key/value heads must divide the query heads, got {heads} query, "
+            f"{kv_heads} key and {value.shape[1]} value heads"
+        )
