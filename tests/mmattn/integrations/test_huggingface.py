@@ -8,6 +8,8 @@ keys in a row that may attend nothing, where SDPA and mmattn give zeros.
 
 from __future__ import annotations
 
+import copy
+import functools
 import subprocess
 import sys
 
@@ -124,10 +126,24 @@ def _t5():
     return transformers.T5ForConditionalGeneration(config), inputs, None
 
 
-MODELS = {
+_BUILDERS = {
     "bert": _bert, "vit": _vit, "clip": _clip, "siglip": _siglip, "llama": _llama,
     "mistral": _mistral, "gemma2": _gemma2, "t5": _t5,
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _built(name):
+    torch.manual_seed(0)
+    return _BUILDERS[name]()
+
+
+def _model(name):
+    """A fresh copy of the named tiny model, its inputs and its real-token mask (or None)."""
+    return copy.deepcopy(_built(name))
+
+
+MODELS = {name: functools.partial(_model, name) for name in _BUILDERS}
 #: transformers' SDPA backend refuses softcap, so Gemma 2 is compared with eager only.
 REFERENCES = {"gemma2": ("eager",)}
 
