@@ -2,7 +2,7 @@
 
 Three small-width models built from configs (no download), fp32, one torch thread:
 
-- Mistral-shaped (``MistralModel``, GQA 4/2 heads, width 128, 2 layers), sliding_window=256,
+- Mistral-shaped (``MistralModel``, GQA 4/2 heads, width 128, 4 layers), sliding_window=256,
   one sequence of L=4096: transformers' SDPA backend gets a dense (L, L) band mask; mmattn
   runs the blocked band kernel, O(L·w);
 - Llama-shaped (``LlamaModel``, the same sizes), 8 sequences of 64..1024 tokens: mmattn on
@@ -137,12 +137,12 @@ def main() -> None:
         length, window, repeats = 4096, 256, args.repeats
         lengths = [round(64 + (1024 - 64) * n / 7) for n in range(8)]
         bert_len = 512
-    width, layers = 128, 2
+    width, layers = 128, 4
     cases = {
         "sliding": sliding_case(length, window, width, layers),
         "packed": packed_case(lengths, width, layers),
-        "bert": bert_case(bert_len, 4, 256, layers, padded=False),
-        "bert padded": bert_case(bert_len, 4, 256, layers, padded=True),
+        "bert": bert_case(bert_len, 4, 256, 2, padded=False),
+        "bert padded": bert_case(bert_len, 4, 256, 2, padded=True),
     }
     rows, verdicts = [], []
     for case, runs in cases.items():
@@ -163,7 +163,7 @@ def main() -> None:
     facts = (
         f"Mistral-shaped: L={length}, sliding_window={window}; packed: lengths {lengths} "
         f"(sum {sum(lengths)} vs {len(lengths)} x {max(lengths)} padded); BERT: L={bert_len}, "
-        f"batch 4, width 256; decoders width {width}, 4/2 heads, {layers} layers; "
+        f"batch 4, width 256, 2 layers; decoders width {width}, 4/2 heads, {layers} layers; "
         f"{repeats} interleaved repeats, medians; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads."
     )

@@ -34,12 +34,14 @@ PAGES = [
     "decoding.md",
     "packed.md",
     "integrations.md#timm",
+    "integrations.md#hugging-face-transformers",
 ]
 NEEDS = {
     "adapters/audio.md": "torchaudio",
     "adapters/graph.md": "torch_geometric",
     "debugging.md": "matplotlib",
     "integrations.md#timm": "timm",
+    "integrations.md#hugging-face-transformers": "transformers",
 }
 
 

@@ -23,6 +23,7 @@ shares it). Anything else runs the dense kernel on the mask as given.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -70,17 +71,28 @@ def window_pattern(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None]
 def _find_window(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None] | None:
     length = mask.shape[-1]
     real = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # (b, l): key j is real iff j sees itself
-    position = torch.arange(length, device=mask.device)
-    offset = position[:, None] - position[None, :]  # i - j, (i, j)
-    keys = rearrange(real, "b j -> b 1 1 j")
-    # transformers' causal window: kv > q - w and kv <= q, i.e. 0 <= i - j <= w - 1
-    for size, causal, band in (
-        (window - 1, True, (offset >= 0) & (offset < window)),
-        (window, False, offset.abs() <= window),
-    ):
-        if size >= 0 and torch.equal(mask, band & keys):
-            return size, causal, (None if bool(real.all()) else real)
+    all_real = bool(real.all())
+    keys = None if all_real else rearrange(real, "b j -> b 1 1 j")
+    # transformers' causal window: kv > q - w and kv <= q, i.e. 0 <= i - j <= w - 1; its
+    # bidirectional window: |i - j| <= w
+    for size, causal in ((window - 1, True), (window, False)):
+        if size < 0:
+            continue
+        band = _band(length, size, causal, mask.device)
+        if all_real:
+            same = all(torch.equal(row, band) for row in mask[:, 0])
+        else:
+            same = torch.equal(mask, band & keys)
+        if same:
+            return size, causal, (None if all_real else real)
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _band(length: int, size: int, causal: bool, device: torch.device) -> Tensor:
+    """(l, l) bool: ``0 <= i - j <= size`` (causal) or ``|i - j| <= size``; kept for reuse."""
+    full = torch.ones(length, length, dtype=torch.bool, device=device)
+    return full.tril(0 if causal else size).triu_(-size)
 
 
 def run_window(
@@ -125,14 +137,21 @@ def _find_packed(mask: Tensor, position_ids: Tensor) -> list[int] | None:
     starts[:, 1:] = pos.diff(dim=-1) != 1
     if not bool(starts[:, 1:].any()):
         return None
-    sequence = starts.cumsum(-1)  # (b, t)
-    same = rearrange(sequence, "b i -> b 1 i 1") == rearrange(sequence, "b j -> b 1 1 j")
-    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    if not torch.equal(mask, same & causal):
-        return None
     first = starts.flatten().nonzero().flatten()
     ends = torch.cat([first[1:], first.new_tensor([batch * length])])
-    return (ends - first).tolist()
+    lengths = (ends - first).tolist()
+    # Each sequence's diagonal block must be causal (lower-triangular, all of it), and nothing
+    # else may be allowed: the blocks hold all of the mask's allowed entries.
+    expected = sum(n * (n + 1) // 2 for n in lengths)
+    if int(torch.count_nonzero(mask)) != expected:
+        return None
+    triangle = torch.ones(max(lengths), max(lengths), dtype=torch.bool, device=mask.device)
+    triangle = triangle.tril_()
+    for start, n in zip(first.tolist(), lengths):
+        row, col = divmod(start, length)
+        if not torch.equal(mask[row, 0, col:col + n, col:col + n], triangle[:n, :n]):
+            return None
+    return lengths
 
 
 def run_packed(
