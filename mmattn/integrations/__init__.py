@@ -4,4 +4,6 @@
   ``nn.MultiheadAttention`` in a model for ours, weights kept).
 - :mod:`~mmattn.integrations.timm` — :class:`~mmattn.integrations.timm.Attention`, timm's
   ``Attention`` on mmattn's kernel (``pip install "mmattn[timm]"``; imported only when used).
+- :mod:`~mmattn.integrations.huggingface` — :func:`~mmattn.integrations.huggingface.register`
+  (mmattn as a transformers attention backend; imports transformers only when called).
 """

@@ -53,6 +53,22 @@ def _memo(mask: Tensor, key: tuple, compute) -> Any:
     return found[key]
 
 
+# ---------------------------------------------------------------------- padding only
+
+
+def key_rows(mask: Tensor) -> Tensor:
+    """``mask`` as (b, 1, 1, j) when every query row of it is the same (a padding-only mask).
+
+    BERT-style models hand a (b, 1, i, j) mask that only says which keys are real; one row
+    per item is the same mask for every kernel, and the dead-row bookkeeping then reads j
+    entries per item instead of i·j.
+    """
+    if mask.dim() != 4 or mask.shape[-2] <= 1:
+        return mask
+    same = _memo(mask, ("rows",), lambda: torch.equal(mask, mask[:, :, :1].expand_as(mask)))
+    return mask[:, :, :1] if same else mask
+
+
 # ---------------------------------------------------------------------- sliding window
 
 

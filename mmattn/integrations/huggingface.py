@@ -235,6 +235,8 @@ def attention_forward(
                     query, key, value, pattern, dropout_p=dropout, scale=scaling
                 )
                 return _heads_last(out), None
+    if mask is not None and mask.dtype == torch.bool:
+        mask = _patterns.key_rows(mask)
     out, weights = _kernel.attend(
         query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling,
         need_weights=need_weights,

@@ -132,7 +132,7 @@ _BUILDERS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _built(name):
     torch.manual_seed(0)
     return _BUILDERS[name]()
@@ -310,14 +310,14 @@ def test_packed_batch_through_llama_equals_each_sequence_alone():
     for train in (False, True):
         model.train(train)
         model.set_attn_implementation(NAME)
-        seen = []
-        remove = _kernel.add_listener(lambda record: seen.append(record.get("kernel")))
+        kernels = []
+        remove = _kernel.add_listener(lambda record, out=kernels: out.append(record.get("kernel")))
         try:
             packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                            use_cache=False).logits[0]
         finally:
             remove()
-        assert seen == ["hf-buckets", "hf-buckets"], seen  # the packed kernel, both layers
+        assert kernels == ["hf-buckets", "hf-buckets"], kernels  # the packed kernel, each layer
         model.set_attn_implementation("eager")
         start = 0
         for s in sequences:
