@@ -376,3 +376,65 @@ def test_import_mmattn_does_not_import_transformers_and_register_names_the_extra
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "mmattn[hf]" in result.stdout
+
+
+# ---------------------------------------------------------------------- kernels and patterns
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_window_masks_run_on_the_band_kernel_with_the_dense_result(causal):
+    from transformers.masking_utils import (
+        sdpa_mask,
+        sliding_window_bidirectional_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    window, length = 5, 23
+    make = sliding_window_causal_mask_function if causal else (
+        sliding_window_bidirectional_mask_function
+    )
+    padding = torch.ones(2, length, dtype=torch.bool)
+    padding[1, :4] = False
+    mask = sdpa_mask(batch_size=2, q_length=length, kv_length=length,
+                     mask_function=make(window), attention_mask=padding, local_size=window)
+    layer = torch.nn.Module()
+    layer.is_causal = causal
+    q = torch.randn(2, 4, length, 8)
+    k, v = torch.randn(2, 2, length, 8), torch.randn(2, 2, length, 8)
+    paths = []
+    remove = _kernel.add_listener(lambda record: paths.append(record["path"]))
+    try:
+        out, _ = hf.attention_forward(layer, q, k, v, mask, sliding_window=window)
+    finally:
+        remove()
+    assert paths == ["local"]
+    dense, _ = _kernel.attend(q, k, v, mask)
+    torch.testing.assert_close(out, dense.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+def test_a_mask_that_is_not_the_window_runs_dense():
+    length = 16
+    mask = torch.ones(1, 1, length, length, dtype=torch.bool).tril()
+    mask[..., 9, 2] = False  # a causal mask with one hole: not a band of any width
+    q = k = v = torch.randn(1, 2, length, 8)
+    paths = []
+    remove = _kernel.add_listener(lambda record: paths.append(record["path"]))
+    try:
+        out, _ = hf.attention_forward(torch.nn.Module(), q, k, v, mask, sliding_window=4)
+    finally:
+        remove()
+    assert paths and "local" not in paths
+    torch.testing.assert_close(out, _kernel.attend(q, k, v, mask)[0].transpose(1, 2))
+
+
+def test_dropout_applies_in_training_only():
+    model, inputs, _ = _decoder(transformers.LlamaForCausalLM, transformers.LlamaConfig,
+                                attention_dropout=0.5)
+    model.set_attn_implementation(NAME)
+    runs = {}
+    for train in (True, False):
+        model.train(train)
+        with torch.no_grad():
+            runs[train] = [model(**inputs).logits for _ in range(2)]
+    assert not torch.allclose(runs[True][0], runs[True][1])
+    torch.testing.assert_close(runs[False][0], runs[False][1], atol=0, rtol=0)
