@@ -113,12 +113,13 @@ def _band(length: int, size: int, causal: bool, device: torch.device) -> Tensor:
 
 def run_window(
     q: Tensor, k: Tensor, v: Tensor, pattern: tuple[int, bool, Tensor | None], *,
-    dropout_p: float, scale: float,
+    dropout_p: float, scale: float, groups: int,
 ) -> Tensor:
     """The blocked band kernel; (b, h, l, e) in and out."""
     size, causal, key_mask = pattern
     out, _ = local_attend(
-        q, k, v, size, causal=causal, key_mask=key_mask, dropout_p=dropout_p, scale=scale
+        q, k, v, size, causal=causal, key_mask=key_mask, dropout_p=dropout_p, scale=scale,
+        groups=groups,
     )
     return out
 
@@ -171,7 +172,8 @@ def _find_packed(mask: Tensor, position_ids: Tensor) -> list[int] | None:
 
 
 def run_packed(
-    q: Tensor, k: Tensor, v: Tensor, lengths: list[int], *, dropout_p: float, scale: float
+    q: Tensor, k: Tensor, v: Tensor, lengths: list[int], *, dropout_p: float, scale: float,
+    groups: int,
 ) -> Tensor:
     """Causal attention of each packed sequence alone, bucket by bucket (no (t, t) scores).
 
@@ -201,7 +203,7 @@ def run_packed(
         )
         out, _ = _kernel.attend(
             qb, kb, vb, plan.key_masks[index], dropout_p=dropout_p, is_causal=True,
-            scale=scale, report_path=False,
+            scale=scale, report_path=False, groups=groups,
         )
         outs.append(rearrange(out, "n h i e -> (n i) h e"))
     outs.append(q.new_zeros(1, heads, v.shape[-1]))  # the row of sequences left out (none)

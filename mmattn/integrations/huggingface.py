@@ -198,7 +198,7 @@ def attention_forward(
             f"{_who(module)}: attention_mask must be a tensor or None, got "
             f"{type(mask).__name__} (was the model built for another attention backend?)"
         )
-    _check_heads(module, query, key, value)
+    groups = _check_heads(module, query, key, value)
     q_len, k_len = query.shape[-2], key.shape[-2]
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
@@ -225,21 +225,21 @@ def attention_forward(
             lengths = _patterns.packed_lengths(mask, position_ids)
             if lengths is not None:
                 out = _patterns.run_packed(
-                    query, key, value, lengths, dropout_p=dropout, scale=scaling
+                    query, key, value, lengths, dropout_p=dropout, scale=scaling, groups=groups
                 )
                 return _heads_last(out), None
         if sliding_window is not None:
             pattern = _patterns.window_pattern(mask, int(sliding_window))
             if pattern is not None:
                 out = _patterns.run_window(
-                    query, key, value, pattern, dropout_p=dropout, scale=scaling
+                    query, key, value, pattern, dropout_p=dropout, scale=scaling, groups=groups
                 )
                 return _heads_last(out), None
     if mask is not None and mask.dtype == torch.bool:
         mask = _patterns.key_rows(mask)
     out, weights = _kernel.attend(
         query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-        need_weights=need_weights,
+        need_weights=need_weights, groups=groups,
     )
     return _heads_last(out), weights
 
@@ -289,7 +289,8 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_heads(module: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> None:
+def _check_heads(module: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> int:
+    """Query heads per key head (a Python int, never a traced shape comparison)."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
             f"{_who(module)}: query, key and value must be (b, h, l, e), got shapes "
@@ -301,3 +302,4 @@ def _check_heads(module: nn.Module, query: Tensor, key: Tensor, value: Tensor) -
             f"{_who(module)}: key/value heads must divide the query heads, got {heads} query, "
             f"{kv_heads} key and {value.shape[1]} value heads"
         )
+    return int(heads) // int(kv_heads)
