@@ -3,6 +3,7 @@
 from mmattn import cache, debug, distributed, functional, masks, position, registry, rotary
 from mmattn.attention.additive import AdditiveAttention
 from mmattn.attention.cross import CrossAttention
+from mmattn.attention.edge import EdgeAttention
 from mmattn.attention.linformer import LinformerAttention
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
@@ -20,6 +21,7 @@ __all__ = [
     "AttentionPool",
     "CrossAttention",
     "CrossAttentionBlock",
+    "EdgeAttention",
     "Encoder",
     "LinformerAttention",
     "LocalAttention",

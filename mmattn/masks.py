@@ -23,6 +23,8 @@ turns any boolean mask into the opposite direction.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from einops import rearrange, repeat
 from torch import Tensor
@@ -47,6 +49,7 @@ __all__ = [
     "to_bool",
     "merge_masks",
     "expand_heads",
+    "k_hop_edges",
 ]
 
 
@@ -268,3 +271,60 @@ def merge_masks(
         to_additive(~p, dtype) if p.dtype == torch.bool else p.to(dtype) for p in parts
     ]
     return additive[0] if len(additive) == 1 else additive[0] + additive[1]
+
+
+def k_hop_edges(edge_index: Tensor, num_hops: int, num_nodes: int | None = None) -> Tensor:
+    """The edges ``(j, i)`` of every path of 1 to ``num_hops`` edges from ``j`` to ``i``.
+
+    The edge-list form of a k-hop neighbourhood: :class:`~mmattn.EdgeAttention` (with its
+    default self loops) along ``k_hop_edges(edge_index, k)`` attends exactly what the dense
+    ``adapters.neighbourhood_mask(edge_index, batch, num_hops=k)`` allows. The result is
+    unique and sorted by (target, source); a cycle back to ``i`` within ``k`` hops gives the
+    pair ``(i, i)``. Paths never leave a connected component, so edges of a batch of graphs
+    stay inside their graphs. Memory grows as the number of k-hop pairs.
+
+    Args:
+        edge_index: (2, E) integer ``(source, target)`` ids.
+        num_hops: k >= 1 (1 gives the unique edges).
+        num_nodes: number of nodes (default ``edge_index.max() + 1``).
+
+    Shape:
+        - returns: (2, E_k) int64
+
+    Raises:
+        TypeError / ValueError: ``edge_index`` not an integer (2, E) tensor, negative ids or
+            ids >= ``num_nodes``; ``num_hops`` not a positive int.
+
+    Examples:
+        >>> path = torch.tensor([[0, 1], [1, 2]])  # 0 -> 1 -> 2
+        >>> k_hop_edges(path, 2).tolist()
+        [[0, 0, 1], [1, 2, 2]]
+    """
+    check_integer_dtype("edge_index", edge_index, "node ids")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(
+            f"edge_index must have shape (2, num_edges), got {tuple(edge_index.shape)}"
+        )
+    check_positive_int("num_hops", num_hops)
+    edge_index = edge_index.long()
+    if num_nodes is None:
+        num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
+    check_positive_int("num_nodes", num_nodes, minimum=0)
+    if edge_index.numel() and (int(edge_index.min()) < 0 or int(edge_index.max()) >= num_nodes):
+        raise ValueError(
+            f"edge_index must lie in [0, num_nodes={num_nodes}), got values in "
+            f"[{int(edge_index.min())}, {int(edge_index.max())}]"
+        )
+    size = (num_nodes, num_nodes)
+
+    def pattern(index: Tensor) -> Tensor:  # rows = target, columns = source, values 1
+        ones = torch.ones(index.shape[1], device=index.device)
+        return torch.sparse_coo_tensor(index, ones, size, check_invariants=False).coalesce()
+
+    step = pattern(edge_index.flip(0))
+    reach = step
+    with warnings.catch_warnings():  # torch.sparse.mm warns that its CSR support is beta
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(num_hops - 1):
+            reach = pattern((reach + torch.sparse.mm(reach, step)).coalesce().indices())
+    return reach.indices().flip(0)

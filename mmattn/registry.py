@@ -13,7 +13,8 @@ and the module they return is called like :class:`~mmattn.MultiHeadAttention`:
 Built in: ``"full"`` (:class:`~mmattn.MultiHeadAttention`), ``"local"``
 (:class:`~mmattn.LocalAttention`, needs ``window_size``), ``"additive"``
 (:class:`~mmattn.AdditiveAttention`) and ``"linformer"``
-(:class:`~mmattn.LinformerAttention`, needs ``seq_len`` and ``proj_len``). Register your own
+(:class:`~mmattn.LinformerAttention`, needs ``seq_len`` and ``proj_len``) and ``"edge"``
+(:class:`~mmattn.EdgeAttention`, takes ``edge_index`` from ``Tokens.meta``). Register your own
 with :func:`register_attention`.
 """
 
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from mmattn.attention.additive import AdditiveAttention
+from mmattn.attention.edge import EdgeAttention
 from mmattn.attention.linformer import LinformerAttention
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
@@ -42,6 +44,7 @@ _REGISTRY: dict[str, Factory] = {
     "local": LocalAttention,
     "additive": AdditiveAttention,
     "linformer": LinformerAttention,
+    "edge": EdgeAttention,
 }
 
 
