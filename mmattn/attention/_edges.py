@@ -62,7 +62,7 @@ def check_edge_bias(edge_bias: object, num_edges: int, num_heads: int, like: Ten
 
 def items_of(rows: Tensor, offsets: Tensor) -> Tensor:
     """The item each flat row belongs to."""
-    return torch.searchsorted(offsets[1:], rows, right=True)
+    return torch.searchsorted(offsets[1:], rows.contiguous(), right=True)
 
 
 def check_same_item(src: Tensor, dst: Tensor, q_off: Tensor, k_off: Tensor) -> None:
