@@ -44,11 +44,14 @@ register_attention("test-scaled", Scaled)
 def _tokens(batch=2, length=L):
     mask = torch.ones(batch, length, dtype=torch.bool)
     mask[0, 6:] = False
-    return Tokens(torch.randn(batch, length, D), mask)
+    # a path through each item's tokens, in the flat order b * L + i (for "edge")
+    rows = torch.arange(batch * length).view(batch, length)[:, :-1].reshape(-1)
+    meta = {"edge_index": torch.stack([rows, rows + 1])}
+    return Tokens(torch.randn(batch, length, D), mask, meta)
 
 
 def test_builtin_names_are_registered():
-    assert {"full", "local", "additive", "linformer"} <= set(available_attention())
+    assert {"full", "local", "additive", "linformer", "edge"} <= set(available_attention())
     assert mmattn.available_attention is available_attention
 
 
@@ -64,7 +67,9 @@ def test_every_variant_by_name_trains(name):
         assert param.grad is not None and param.grad.abs().sum() > 0, pname
 
 
-@pytest.mark.parametrize("name", [n for n in available_attention() if n != "linformer"])
+# EdgeAttention takes no is_causal: its edges are the mask (keep edges with source <= target)
+@pytest.mark.parametrize("name", [n for n in available_attention()
+                                  if n not in ("linformer", "edge")])
 def test_causal_means_the_same_for_every_variant(name):
     block = TransformerBlock(D, H, attention=name, causal=True, attention_kwargs=NEEDS.get(name))
     x = torch.randn(1, L, D)
