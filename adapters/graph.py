@@ -19,17 +19,17 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor, nn
 
+from adapters._graph import _check_edge_index, laplacian_eigenvectors, token_edges
 from adapters._imports import require
 from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_factory_dtype,
     check_has_data,
-    check_integer_dtype,
     check_positive_int,
-    check_range,
     check_rank,
     check_same_device,
 )
+from mmattn.masks import k_hop_edges
 from mmattn.tokens import Tokens, check_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,44 +38,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["GraphNodeSequencer", "laplacian_eigenvectors", "neighbourhood_mask"]
 
 STRUCTURAL = ("degree", "laplacian")
-_PAD_EIGENVALUE = 10.0  # above the normalized Laplacian's spectrum [0, 2]
 
 
 def _pyg(what: str):
     return require("torch_geometric", what)
-
-
-def _check_edge_index(
-    edge_index: object, batch: Tensor | None = None, num_nodes: int | None = None
-) -> Tensor:
-    """Shape, dtype, device and range of ``edge_index``; no edge may join two graphs.
-
-    ``num_nodes`` defaults to ``len(batch)``; without either, only negative ids are refused.
-    """
-    check_integer_dtype("edge_index", edge_index, "node ids")
-    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-        raise ValueError(
-            f"edge_index must have shape (2, num_edges), got {tuple(edge_index.shape)}"
-        )
-    if batch is not None:
-        check_rank("batch", batch, (1,), "(num_nodes,)")
-        check_integer_dtype("batch", batch, "graph id of every node")
-        check_same_device("edge_index", edge_index, "batch", batch)
-        num_nodes = batch.shape[0] if num_nodes is None else num_nodes
-    if num_nodes is None:
-        check_range("edge_index", edge_index, 0, torch.iinfo(torch.int64).max)
-    else:
-        check_range("edge_index", edge_index, 0, num_nodes, "num_nodes")
-    if batch is not None and edge_index.numel() and not torch.compiler.is_compiling():
-        graphs = batch.long()[edge_index.long()]  # (2, e): graph of source and target
-        crossing = graphs[0] != graphs[1]
-        if bool(crossing.any()):
-            first = int(crossing.nonzero()[0, 0])
-            raise ValueError(
-                "edge_index must join nodes of the same graph, got edge "
-                f"{edge_index[:, first].tolist()} between graphs {graphs[:, first].tolist()}"
-            )
-    return edge_index
 
 
 def neighbourhood_mask(
@@ -139,61 +105,6 @@ def neighbourhood_mask(
     return blocked
 
 
-def laplacian_eigenvectors(
-    edge_index: Tensor,
-    batch: Tensor | None,
-    k: int,
-    *,
-    max_num_nodes: int | None = None,
-    batch_size: int | None = None,
-) -> Tensor:
-    r"""The ``k`` eigenvectors after the first of each graph's normalized Laplacian.
-
-    :math:`L = I - D^{-1/2} A D^{-1/2}` of the symmetrized graph, one dense ``eigh`` for the
-    whole batch in float32 (padded slots get eigenvalue 10, outside the graphs' spectrum
-    [0, 2], so they never mix into a graph's eigenvectors). The sign of each eigenvector is
-    fixed so that its largest-magnitude entry is positive. Graphs with ``N <= k`` nodes get
-    zeros for the missing eigenvectors.
-
-    Shape:
-        - Output: (B, N_max, k), zero on padded slots; (B, 0, k) when there are no nodes
-
-    Raises:
-        TypeError / ValueError: as :func:`neighbourhood_mask`; ``k`` not a positive int.
-
-    Examples:
-        >>> edge_index = torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]])
-        >>> laplacian_eigenvectors(edge_index, None, 2).shape
-        torch.Size([1, 3, 2])
-    """
-    utils = require("torch_geometric.utils", "laplacian_eigenvectors")
-    _check_edge_index(edge_index, batch, None if batch is not None else max_num_nodes)
-    check_positive_int("k", k)
-    adj = utils.to_dense_adj(edge_index, batch, max_num_nodes=max_num_nodes, batch_size=batch_size)
-    if adj.shape[-1] == 0:  # no nodes at all: nothing to decompose
-        return adj.new_zeros(adj.shape[0], 0, k)
-    adj = ((adj + rearrange(adj, "b i j -> b j i")) > 0).float()
-    adj = adj * ~torch.eye(adj.shape[-1], dtype=torch.bool, device=adj.device)
-    if batch is None:
-        batch = torch.zeros(adj.shape[-1], dtype=torch.long, device=adj.device)
-    counts = torch.bincount(batch, minlength=adj.shape[0])
-    real = torch.arange(adj.shape[-1], device=adj.device) < counts[:, None]  # (b, i)
-    deg = adj.sum(-1)
-    dinv = torch.where(deg > 0, deg.clamp_min(1e-12).rsqrt(), torch.zeros_like(deg))
-    lap = -rearrange(dinv, "b i -> b i 1") * adj * rearrange(dinv, "b j -> b 1 j")
-    diag = torch.where(real, 1.0, _PAD_EIGENVALUE)
-    lap = lap + torch.diag_embed(diag)
-    _, vectors = torch.linalg.eigh(lap)  # ascending eigenvalues; columns are eigenvectors
-    vectors = vectors[..., 1 : k + 1]
-    peak = vectors.abs().argmax(dim=1, keepdim=True)
-    sign = torch.sign(vectors.gather(1, peak))
-    vectors = vectors * torch.where(sign == 0, 1.0, sign)
-    vectors = vectors * rearrange(real, "b i -> b i 1")  # padded-slot vectors are zero on real
-    if vectors.shape[-1] < k:  # fewer slots than k: pad with zero columns
-        vectors = torch.nn.functional.pad(vectors, (0, k - vectors.shape[-1]))
-    return vectors
-
-
 class GraphNodeSequencer(ModalityAdapter):
     r"""A torch_geometric ``Data``/``Batch`` to padded node tokens with a mask.
 
@@ -205,7 +116,9 @@ class GraphNodeSequencer(ModalityAdapter):
 
     Node ``n`` of graph ``g`` lands at ``x[g, n - ptr[g]]``; :meth:`to_nodes` is the exact
     inverse (same node order). For attention that follows the graph, pass
-    :meth:`neighbourhood_mask` as ``attn_mask``.
+    :meth:`neighbourhood_mask` as ``attn_mask`` (dense, O(N_max²)), or use
+    :class:`mmattn.EdgeAttention` (``attention="edge"`` in a block), which reads the edges
+    from ``meta["edge_index"]`` in O(E).
 
     Args:
         in_channels: node feature width ``F`` (``data.x.shape[1]``).
@@ -214,6 +127,8 @@ class GraphNodeSequencer(ModalityAdapter):
             Laplacian eigenvectors, see :func:`laplacian_eigenvectors`).
         max_degree: in-degrees above it share the last degree embedding.
         num_eigenvectors: ``k`` for "laplacian".
+        num_hops: ``meta["edge_index"]`` holds the pairs joined by a path of at most this
+            many edges (:func:`mmattn.masks.k_hop_edges`); 1 = the graph's own edges.
         bias: bias of the projection.
         device: parameter device.
         dtype: parameter dtype; the tokens come out in it.
@@ -221,7 +136,8 @@ class GraphNodeSequencer(ModalityAdapter):
     Shape:
         - data.x: (N_total, F); data.edge_index: (2, E); data.batch: (N_total,) sorted
         - Output: ``Tokens`` x (B, N_max, D), mask (B, N_max), meta ``batch``, ``num_nodes``,
-          ``num_graphs``
+          ``num_graphs`` and ``edge_index`` (2, E) in token coordinates: ``g·N_max + slot``
+          padded, PyG's own node ids (the rows of ``values()``) packed
 
     Raises:
         TypeError: ``data`` is not a torch_geometric ``Data``; ``x`` is not floating.
@@ -265,6 +181,7 @@ class GraphNodeSequencer(ModalityAdapter):
         structural: Sequence[str] = (),
         max_degree: int = 32,
         num_eigenvectors: int = 8,
+        num_hops: int = 1,
         bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -281,6 +198,7 @@ class GraphNodeSequencer(ModalityAdapter):
         self.structural = tuple(structural)
         self.max_degree = check_positive_int("max_degree", max_degree, minimum=0)
         self.num_eigenvectors = check_positive_int("num_eigenvectors", num_eigenvectors)
+        self.num_hops = check_positive_int("num_hops", num_hops)
         self.proj = nn.Linear(in_channels, embed_dim, bias=bias, device=device, dtype=dtype)
         self.degree_embedding = (
             nn.Embedding(max_degree + 1, embed_dim, device=device, dtype=dtype)
@@ -377,10 +295,12 @@ class GraphNodeSequencer(ModalityAdapter):
         h = self.proj(x.to(dtype))
         if self.structural:
             h = h + self._structural(x, edge_index, batch, num_graphs)
+        if self.num_hops > 1:
+            edge_index = k_hop_edges(edge_index, self.num_hops, x.shape[0])
         if packed:
             offsets = _node_offsets(data, batch, num_graphs).to(h.device)
             meta = {"modality": self.modality, "batch": batch, "num_nodes": x.shape[0],
-                    "num_graphs": offsets.shape[0] - 1}
+                    "num_graphs": offsets.shape[0] - 1, "edge_index": edge_index}
             return Tokens.from_packed(h, offsets, meta)
         dense, mask = pyg.utils.to_dense_batch(h, batch, batch_size=num_graphs)
         meta = {
@@ -388,6 +308,7 @@ class GraphNodeSequencer(ModalityAdapter):
             "batch": batch,
             "num_nodes": x.shape[0],
             "num_graphs": dense.shape[0],
+            "edge_index": token_edges(edge_index, batch, dense.shape[1]),
         }
         return Tokens(dense, mask, meta)
 
@@ -437,6 +358,7 @@ class GraphNodeSequencer(ModalityAdapter):
             f"in_channels={self.in_channels}, embed_dim={self.embed_dim}, "
             f"structural={self.structural}, max_degree={self.max_degree}, "
             f"num_eigenvectors={self.num_eigenvectors}"
+            + (f", num_hops={self.num_hops}" if self.num_hops > 1 else "")
         )
 
 

@@ -26,13 +26,14 @@ from einops import repeat
 from torch import nn
 
 from mmattn import _checks as checks
+from mmattn.blocks._geometry import fused_edges
 from mmattn.blocks._packed import map_packed
 from mmattn.blocks.transformer import CrossAttentionBlock, Encoder, TransformerBlock
 from mmattn.registry import AttentionSpec
 from mmattn.tokens import RESERVED_NAMES, Tokens
 
 #: meta keys the encoder writes itself; no modality may be named so.
-RESERVED_MODALITIES = (*RESERVED_NAMES, "modalities", "fusion", "context")
+RESERVED_MODALITIES = (*RESERVED_NAMES, "modalities", "fusion", "context", "edge_index")
 
 __all__ = ["MultiModalEncoder"]
 
@@ -58,7 +59,10 @@ class MultiModalEncoder(nn.Module):
     The result's ``meta`` holds ``"spans"`` (``{name: (start, stop)}`` on the fused input
     sequence), each adapter's own meta under its name, ``"modalities"`` (the names in
     order) and ``"fusion"``. For "latent" the spans refer to ``meta["context"]``, the
-    fused input Tokens the latents attended.
+    fused input Tokens the latents attended. The ``meta["edge_index"]`` of graph parts is
+    re-indexed into the fused sequence (``meta["edge_index"]``), so ``attention="edge"``
+    works with no extra argument: graph nodes attend along their edges, and the tokens of
+    modalities without edges attend only themselves (their self loop).
 
     Args:
         adapters: ``{name: adapter}``; each adapter maps its input to Tokens of width
@@ -87,7 +91,8 @@ class MultiModalEncoder(nn.Module):
         TypeError: ``adapters`` or ``inputs`` is not a mapping; an adapter is not a module
             or does not return Tokens.
         ValueError: no adapters or inputs; an unknown modality name, or a reserved one
-            ("spans", "modalities", "fusion", "context": the meta keys the encoder writes);
+            ("spans", "modalities", "fusion", "context", "edge_index": the meta keys the
+            encoder writes);
             an adapter of another width; modalities with different batch sizes; unknown
             ``fusion``.
 
@@ -237,6 +242,9 @@ class MultiModalEncoder(nn.Module):
             raise ValueError(f"inputs must share one batch size, got {sizes}")
         fused = Tokens.cat(parts)
         fused.meta["modalities"] = list(parts)
+        edges = fused_edges(parts, fused)  # graph edges in the fused order, for EdgeAttention
+        if edges is not None:
+            fused.meta["edge_index"] = edges
         if fused.is_packed:
             return fused
         return fused.replace(fused.zero_padding())

@@ -222,3 +222,76 @@ def test_mask_works_as_attn_mask_of_mmattn_attention(make_graphs):
             ref, _ = attn(tokens.x[g : g + 1, i : i + 1], keys)
             torch.testing.assert_close(nodes[start + i], ref[0, 0], atol=1e-5, rtol=1e-5)
         start += n
+
+
+# ---------------------------------------------------------------- edges in Tokens.meta
+
+
+def test_meta_edge_index_in_token_coordinates(make_graphs):
+    batch = make_graphs(SIZES)
+    seq = GraphNodeSequencer(4, 8)
+    padded, packed = seq(batch), seq(batch, packed=True)
+    nodes = seq.proj(batch.x)
+    flat = padded.x.reshape(-1, 8)  # row b * N_max + slot
+    for i in range(2):  # sources and targets land on their node's token
+        torch.testing.assert_close(flat[padded.meta["edge_index"][i]], nodes[batch.edge_index[i]])
+    assert packed.meta["edge_index"] is batch.edge_index  # packed: PyG's own, unchanged
+    torch.testing.assert_close(packed.x.values()[packed.meta["edge_index"][0]],
+                               nodes[batch.edge_index[0]])
+
+
+@pytest.mark.parametrize("num_hops", [1, 2])
+def test_edge_attention_block_equals_the_dense_neighbourhood_mask(make_graphs, num_hops):
+    from mmattn import MultiHeadAttention, TransformerBlock
+
+    batch = make_graphs(SIZES)
+    seq = GraphNodeSequencer(4, 8, num_hops=num_hops)
+    tokens = seq(batch)
+    block = TransformerBlock(8, 2, attention="edge")
+    dense = TransformerBlock(8, 2)
+    dense.load_state_dict(block.state_dict())
+    blocked = seq.neighbourhood_mask(batch, num_hops, num_heads=2)
+    want = seq.to_nodes(dense(tokens, attn_mask=blocked))
+    torch.testing.assert_close(seq.to_nodes(block(tokens)), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(seq.to_nodes(block(seq(batch, packed=True))), want, atol=1e-5,
+                               rtol=0)
+    assert isinstance(dense.attn, MultiHeadAttention)
+
+
+def test_multimodal_encoder_reindexes_graph_edges(make_graphs):
+    from mmattn import MultiModalEncoder
+
+    class Vectors(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(3, 8)
+
+        def forward(self, v):
+            return __import__("mmattn").Tokens(self.proj(v))
+
+    batch = make_graphs(SIZES)
+    encoder = MultiModalEncoder({"vec": Vectors(), "graph": GraphNodeSequencer(4, 8)}, 8, 1, 2,
+                                attention="edge")
+    vec = torch.randn(4, 3, 3)
+    fused = encoder.embed({"vec": vec, "graph": batch})
+    graph_tokens = encoder.adapters["graph"](batch)
+    flat, src = fused.x.reshape(-1, 8), graph_tokens.x.reshape(-1, 8)
+    for i in range(2):
+        torch.testing.assert_close(
+            flat[fused.meta["edge_index"][i]] - encoder.modality_embedding["graph"],
+            src[graph_tokens.meta["edge_index"][i]],
+        )
+    out = encoder({"vec": vec, "graph": batch})
+    assert out.x.shape == fused.x.shape and torch.isfinite(out.x).all()
+    # packed: the same numbers on the real tokens
+    encoder.adapters["graph"].forward = lambda data, f=encoder.adapters["graph"].forward: f(
+        data, packed=True
+    )
+    encoder.adapters["vec"].forward = lambda v, f=encoder.adapters["vec"].forward: f(v).pack()
+    packed = encoder({"vec": vec, "graph": batch})
+    torch.testing.assert_close(packed.x.values(), out.x[out.full_mask()], atol=1e-5, rtol=0)
+
+
+def test_num_hops_is_checked():
+    with pytest.raises(ValueError, match="num_hops must be >= 1"):
+        GraphNodeSequencer(4, 8, num_hops=0)
