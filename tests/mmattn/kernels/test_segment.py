@@ -1,0 +1,188 @@
+"""kernels/segment.py: the edge kernel against a per-query loop, its twin and gradcheck.
+
+The reference is a plain loop: for every query, the softmax over the scores of its edges and
+the weighted sum of their values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmattn.functional import fused_attn
+from mmattn.kernels import segment
+from mmattn.kernels.segment import EdgeAttend, edge_attend, edge_attend_explicit, edge_set
+from mmattn.masks import k_hop_edges
+
+
+def naive(q, k, v, src, dst, bias=None, scale=None):
+    """Per query: softmax over its edges' scores, weighted sum of their values."""
+    n, h, e = q.shape
+    groups = h // k.shape[1]
+    scale = e ** -0.5 if scale is None else scale
+    out = torch.zeros(n, h, v.shape[-1], dtype=q.dtype)
+    for i in range(n):
+        edges = (dst == i).nonzero().flatten()
+        if edges.numel() == 0:
+            continue
+        for head in range(h):
+            keys = k[src[edges], head // groups]
+            scores = keys @ q[i, head] * scale
+            if bias is not None:
+                scores = scores + bias[edges, head]
+            out[i, head] = scores.softmax(0) @ v[src[edges], head // groups]
+    return out
+
+
+def random_problem(n=9, m=7, heads=4, kv_heads=2, width=3, num_edges=30, seed=0,
+                   dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, heads, width, generator=gen, dtype=dtype)
+    k = torch.randn(m, kv_heads, width, generator=gen, dtype=dtype)
+    v = torch.randn(m, kv_heads, 5, generator=gen, dtype=dtype)
+    src = torch.randint(0, m, (num_edges,), generator=gen)
+    dst = torch.randint(0, n - 1, (num_edges,), generator=gen)  # query n - 1: no edge
+    src, dst, _, _ = edge_set(src, dst, m)
+    bias = torch.randn(src.shape[0], heads, generator=gen, dtype=dtype)
+    return q, k, v, src, dst, bias
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_both_paths_equal_the_loop(kv_heads):
+    q, k, v, src, dst, bias = random_problem(kv_heads=kv_heads)
+    want = naive(q, k, v, src, dst, bias)
+    for fused in (True, False):
+        with fused_attn(fused):
+            got, _ = edge_attend(q, k, v, src, dst, bias=bias)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert got[-1].abs().max() == 0  # the query without an edge gets zeros
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_gradcheck(kv_heads):
+    q, k, v, src, dst, bias = random_problem(n=5, m=4, heads=2, kv_heads=kv_heads, width=2,
+                                             num_edges=10)
+    inputs = [t.requires_grad_() for t in (q, k, v, bias)]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, b: EdgeAttend.apply(q, k, v, b, src, dst, 0.7, 0.0), inputs,
+        fast_mode=True,
+    )
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: EdgeAttend.apply(q, k, v, None, src[:0], dst[:0], 0.7, 0.0),
+        inputs[:3], fast_mode=True,
+    )
+
+
+def test_fused_equals_explicit_gradients_over_many_chunks(monkeypatch):
+    monkeypatch.setattr(segment, "CHUNK_ELEMENTS", 8)  # 1024-edge chunks: several of them
+    q, k, v, src, dst, bias = random_problem(n=300, m=200, num_edges=5000)
+    weight = torch.randn(300, 4, 5, dtype=q.dtype)
+    results = []
+    for fn in (
+        lambda *t: EdgeAttend.apply(*t, src, dst, 0.5, 0.0),
+        lambda q, k, v, b: edge_attend_explicit(q, k, v, src, dst, bias=b, scale=0.5)[0],
+    ):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        out = fn(*inputs)
+        results.append([out, *torch.autograd.grad((out * weight).sum(), inputs)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_dropout_keeps_the_mask_for_backward():
+    q, k, v, src, dst, bias = random_problem()
+    kv_heads, groups = k.shape[1], q.shape[1] // k.shape[1]
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    torch.manual_seed(3)
+    out = EdgeAttend.apply(*inputs, src, dst, 0.5, 0.4)
+    torch.manual_seed(3)
+    keep = torch.rand(src.shape[0], kv_heads, groups, dtype=torch.float64) >= 0.4
+    keep = keep.reshape(src.shape[0], -1)
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    qr, kr, vr, br = ref_inputs
+    kr, vr = (t.repeat_interleave(groups, dim=1) for t in (kr, vr))
+    scores = (qr[dst] * kr[src]).sum(-1) * 0.5 + br
+    weights = segment._segment_softmax(scores, dst, q.shape[0]) * keep / 0.6
+    want = torch.zeros_like(out).index_add(0, dst, weights[..., None] * vr[src])
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    for a, b in zip(torch.autograd.grad(out.sum(), inputs),
+                    torch.autograd.grad(want.sum(), ref_inputs)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_weights_are_a_distribution_per_query():
+    q, k, v, src, dst, _ = random_problem()
+    _, weights = edge_attend(q, k, v, src, dst, need_weights=True)
+    sums = torch.zeros(q.shape[0], q.shape[1], dtype=weights.dtype).index_add_(0, dst, weights)
+    has = torch.bincount(dst, minlength=q.shape[0]) > 0
+    torch.testing.assert_close(sums[has], torch.ones_like(sums[has]))
+    assert (sums[~has] == 0).all()
+
+
+def test_all_minus_inf_scores_give_zeros():
+    q, k, v, src, dst, bias = random_problem()
+    bias = torch.full_like(bias, float("-inf"))
+    for fused in (True, False):
+        with fused_attn(fused):
+            qi = q.clone().requires_grad_()
+            out, _ = edge_attend(qi, k, v, src, dst, bias=bias)
+        assert (out == 0).all()
+        (grad,) = torch.autograd.grad(out.sum(), qi)
+        assert torch.isfinite(grad).all()
+
+
+def test_edge_set_dedups_sorts_and_adds_loops():
+    src, dst = torch.tensor([2, 0, 2, 1, 1]), torch.tensor([1, 1, 1, 0, 1])
+    bias = torch.arange(5.0)[:, None]
+    out_src, out_dst, out_bias, dup = edge_set(
+        src, dst, 3, loops=(torch.arange(3), torch.arange(3)), bias=bias
+    )
+    assert dup
+    assert out_dst.tolist() == [0, 0, 1, 1, 1, 2] and out_src.tolist() == [0, 1, 0, 1, 2, 2]
+    assert out_bias.flatten().tolist() == [0.0, 3.0, 1.0, 4.0, 0.0, 0.0]  # given edges win
+    _, _, _, dup = edge_set(torch.tensor([0, 1]), torch.tensor([1, 1]), 2,
+                            loops=(torch.arange(2), torch.arange(2)))
+    assert not dup  # an added loop never counts as a duplicate
+
+
+def test_half_precision_keeps_float32_scores(device):
+    q, k, v, src, dst, bias = random_problem(dtype=torch.float32)
+    want = naive(q.double(), k.double(), v.double(), src, dst, bias.double())
+    to = dict(device=device)
+    for dtype in (torch.bfloat16, torch.float16):
+        for fused in (True, False):
+            with fused_attn(fused):
+                got, _ = edge_attend(q.to(dtype=dtype, **to), k.to(dtype=dtype, **to),
+                                     v.to(dtype=dtype, **to), src.to(device), dst.to(device),
+                                     bias=bias.to(device))
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.double().cpu(), want, atol=3e-2, rtol=3e-2)
+
+
+def _reach(edge_index, n, hops):
+    step = torch.zeros(n, n, dtype=torch.long)
+    step[edge_index[1], edge_index[0]] = 1
+    reach, power = step.clone(), step.clone()
+    for _ in range(hops - 1):
+        power = ((power @ step) > 0).long()
+        reach |= power
+    return reach.bool()
+
+
+@pytest.mark.parametrize("hops", [1, 2, 3])
+def test_k_hop_edges_are_the_paths(hops):
+    edge_index = torch.randint(0, 12, (2, 20))
+    got = k_hop_edges(edge_index, hops, 12)
+    want = _reach(edge_index, 12, hops).nonzero()  # (target, source), row-major
+    assert got.tolist() == want.flip(1).t().tolist()
+
+
+def test_k_hop_edges_errors():
+    with pytest.raises(ValueError, match="num_hops must be >= 1"):
+        k_hop_edges(torch.tensor([[0], [1]]), 0)
+    with pytest.raises(TypeError, match="edge_index must have an integer dtype"):
+        k_hop_edges(torch.zeros(2, 1), 1)
+    with pytest.raises(ValueError, match=r"must lie in \[0, num_nodes=2\)"):
+        k_hop_edges(torch.tensor([[0], [2]]), 1, 2)
+    with pytest.raises(ValueError, match=r"shape \(2, num_edges\)"):
+        k_hop_edges(torch.zeros(3, 1, dtype=torch.long), 1)
