@@ -14,9 +14,10 @@ with no edge gets zeros, never NaN. Nothing here checks its input; the layer
 Two paths compute the same numbers:
 
 - the default (``MMATTN_FUSED_ATTN=1``): :class:`EdgeAttend`, an ``autograd.Function`` that
-  works on chunks of edges and keeps only the (E, h) probabilities for backward; the
-  gathered (E, h, e) queries, keys and values are rebuilt chunk by chunk in backward, so
-  peak memory is O(E·h + chunk·h·e) on top of the node tensors;
+  computes per head a sampled product on the edge pattern (SDDMM) for the scores and a
+  sparse-dense product (SpMM) for the output, and keeps only the (E, h) probabilities for
+  backward, which recomputes what it needs the same way: no (E, h, e) tensor is ever
+  built, so peak memory is O(E·h) on top of the node tensors;
 - the explicit twin :func:`edge_attend_explicit`: the formula written out with autograd (it
   keeps every gathered tensor: O(E·h·e)), which also returns the weights.
 """
@@ -24,6 +25,7 @@ Two paths compute the same numbers:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +34,6 @@ from torch import Tensor
 from mmattn.kernels.dense import explicit_reasons, report, reporting, use_fused_attn
 
 __all__ = ["EdgeAttend", "edge_attend", "edge_attend_explicit", "edge_set"]
-
-#: Elements of one gathered (chunk, h, e) block: big enough to amortise the Python loop,
-#: small enough to stay in cache.
-CHUNK_ELEMENTS = 1 << 21
-
 
 def edge_set(
     src: Tensor,
@@ -139,103 +136,133 @@ def _scale(q: Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
 
 
-def _chunks(num_edges: int, width: int) -> list[slice]:
-    step = max(1024, CHUNK_ELEMENTS // max(width, 1))
-    return [slice(start, start + step) for start in range(0, num_edges, step)]
+def _sparse_csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # torch warns that sparse CSR support is in beta
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+
+
+class _Pattern:
+    """The edges as CSR row structure, by target (A) and, built on demand, by source (Aᵀ)."""
+
+    def __init__(self, src: Tensor, dst: Tensor, n: int, m: int) -> None:
+        self.src, self.dst, self.n, self.m = src, dst, n, m
+        counts = torch.bincount(dst, minlength=n)
+        self.crow = torch.zeros(n + 1, dtype=torch.long, device=dst.device)
+        self.crow[1:] = counts.cumsum(0)
+        self._t = None
+
+    def by_target(self, values: Tensor) -> Tensor:
+        """(n, m) CSR with ``values`` (E,) on the edges, in edge order."""
+        return _sparse_csr(self.crow, self.src, values, (self.n, self.m))
+
+    def by_source(self, values: Tensor) -> Tensor:
+        """(m, n) CSR, the transpose: ``values`` (E,) in edge order are permuted to it."""
+        if self._t is None:
+            order = torch.sort(self.src, stable=True).indices  # targets stay sorted per row
+            counts = torch.bincount(self.src, minlength=self.m)
+            crow = torch.zeros(self.m + 1, dtype=torch.long, device=self.src.device)
+            crow[1:] = counts.cumsum(0)
+            self._t = (order, crow, self.dst.index_select(0, order))
+        order, crow, col = self._t
+        return _sparse_csr(crow, col, values.index_select(0, order), (self.m, self.n))
+
+    def scores(self, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+        """(E,) ``alpha · a[dst] · b[src]`` for every edge: a sampled (SDDMM) a @ bᵀ."""
+        pattern = self.by_target(a.new_zeros(self.src.shape[0]))
+        out = torch.sparse.sampled_addmm(pattern, a, b.t(), beta=0.0, alpha=alpha)
+        return out.values()
+
+
+def _softmax_rows(scores: Tensor, dst: Tensor, n: int) -> Tensor:
+    """softmax of (h, E) ``scores`` over the edges of each query; dead rows give 0."""
+    with torch.no_grad():  # the softmax does not depend on the shift
+        index = dst.expand_as(scores)
+        peak = scores.new_full((scores.shape[0], n), -math.inf)
+        peak = peak.scatter_reduce_(1, index, scores, "amax")
+        peak = torch.where(torch.isneginf(peak), 0.0, peak)
+    p = torch.exp(scores - peak.index_select(1, dst))
+    total = p.new_zeros(scores.shape[0], n).index_add_(1, dst, p)
+    total = torch.where(total > 0, total, 1.0)
+    return p / total.index_select(1, dst)
+
+
+def _heads(t: Tensor, acc: torch.dtype) -> Tensor:
+    """(rows, h, e) -> (h, rows, e) contiguous in the accumulation dtype."""
+    return t.to(acc).transpose(0, 1).contiguous()
 
 
 class EdgeAttend(torch.autograd.Function):
     """Edge attention that saves only the (E, h) probabilities (and the dropout mask).
 
-    Forward and backward walk the edges in chunks: each chunk gathers its rows of q, k and
-    v (and of the output gradient), so no (E, h, e) tensor ever exists whole. The softmax
-    and its backward run on the (E, h) scores in float32 (float64 for double inputs); so do
-    the accumulators, which are cast back to the input dtype at the end.
+    Per head, the scores are a sampled product (SDDMM, ``torch.sparse.sampled_addmm``)
+    of the queries and keys on the edge pattern, and the output a sparse-dense product
+    (SpMM) of the probabilities with the values; backward is two more SDDMM / SpMM pairs.
+    No (E, h, e) tensor is ever built: memory is O(E·h) on top of the node tensors. The
+    scores, softmax and products run in float32 (float64 for double inputs) and the
+    results are cast back to the input dtype.
 
     Call it through :func:`edge_attend`; ``apply(q, k, v, bias, src, dst, scale,
-    dropout_p)`` with q (n, h, e), k (m, k, e), v (m, k, f), bias (E, h) or None.
+    dropout_p)`` with q (n, h, e), k (m, k, e), v (m, k, f), bias (E, h) or None, and the
+    edges unique and sorted by (dst, src) as :func:`edge_set` returns them.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, bias, src, dst, scale, dropout_p):  # noqa: D102
-        n, heads, width = q.shape
+        n, heads, _ = q.shape
         m, kv_heads, _ = k.shape
-        groups, acc = heads // kv_heads, _acc(q)
-        num_edges = src.shape[0]
-        qg = q.reshape(n, kv_heads, groups, width)
-        scores = q.new_empty(num_edges, kv_heads, groups, dtype=acc)
-        for part in _chunks(num_edges, heads * width):
-            qd = qg.index_select(0, dst[part]).to(acc)  # (c, k, g, e)
-            ks = k.index_select(0, src[part]).to(acc)  # (c, k, e)
-            scores[part] = torch.einsum("ckge,cke->ckg", qd, ks)
-        scores.mul_(scale)
+        groups, acc = heads // max(kv_heads, 1), _acc(q)
+        pattern = _Pattern(src, dst, n, m)
+        qh, kh, vh = _heads(q, acc), _heads(k, acc), _heads(v, acc)
+        scores = torch.stack([
+            pattern.scores(qh[h], kh[h // groups], scale) for h in range(heads)
+        ]) if src.numel() else q.new_zeros(heads, 0, dtype=acc)  # (h, E)
         if bias is not None:
-            scores += bias.reshape(num_edges, kv_heads, groups).to(acc)
-        weights = _segment_softmax(scores, dst, n)
+            scores = scores + bias.t().to(acc)
+        weights = _softmax_rows(scores, dst, n)
         keep = None
         dropped = weights
         if dropout_p > 0:
             keep = torch.rand_like(weights) >= dropout_p
             dropped = weights * keep / (1.0 - dropout_p)
-        out = _aggregate(dropped, v, src, dst, n)
+        out = torch.stack([
+            pattern.by_target(dropped[h]) @ vh[h // groups] for h in range(heads)
+        ], dim=1) if src.numel() else q.new_zeros(n, heads, v.shape[-1], dtype=acc)
         ctx.save_for_backward(q, k, v, src, dst, weights, keep)
         ctx.scale, ctx.dropout_p, ctx.has_bias = scale, dropout_p, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out.reshape(n, heads, v.shape[-1]).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         q, k, v, src, dst, weights, keep = ctx.saved_tensors
-        n, heads, width = q.shape
+        n, heads, _ = q.shape
         m, kv_heads, _ = k.shape
-        groups, acc = heads // kv_heads, _acc(q)
-        num_edges, value_width = src.shape[0], v.shape[-1]
-        grad = grad_out.reshape(n, kv_heads, groups, value_width)
+        groups, acc = heads // max(kv_heads, 1), _acc(q)
+        if src.numel() == 0:
+            grad_bias = q.new_zeros(0, heads, dtype=ctx.bias_dtype) if ctx.has_bias else None
+            return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), grad_bias,
+                    None, None, None, None)
+        pattern = _Pattern(src, dst, n, m)
+        qh, kh, vh, gh = (_heads(t, acc) for t in (q, k, v, grad_out))
         dropped = weights if keep is None else weights * keep / (1.0 - ctx.dropout_p)
-        d_weights = weights.new_empty(weights.shape)
-        grad_v = torch.zeros(m, kv_heads, value_width, dtype=acc, device=v.device)
-        for part in _chunks(num_edges, heads * max(width, value_width)):
-            gd = grad.index_select(0, dst[part]).to(acc)  # (c, k, g, f)
-            vs = v.index_select(0, src[part]).to(acc)  # (c, k, f)
-            d_weights[part] = torch.einsum("ckgf,ckf->ckg", gd, vs)
-            grad_v.index_add_(0, src[part], torch.einsum("ckg,ckgf->ckf", dropped[part], gd))
+        d_weights = torch.stack([pattern.scores(gh[h], vh[h // groups]) for h in range(heads)])
         if keep is not None:
             d_weights = d_weights * keep / (1.0 - ctx.dropout_p)
-        # softmax backward per query: ds = p * (dp - sum_edges p * dp)
-        row = torch.zeros(n, kv_heads, groups, dtype=acc, device=q.device)
-        row.index_add_(0, dst, weights * d_weights)
-        d_scores = weights * (d_weights - row.index_select(0, dst))
-        grad_q = grad_k = None
-        need_q, need_k = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_q or need_k:
-            qg = q.reshape(n, kv_heads, groups, width)
-            grad_q = torch.zeros(n, kv_heads, groups, width, dtype=acc,
-                                 device=q.device)
-            grad_k = torch.zeros(m, kv_heads, width, dtype=acc, device=k.device)
-            scaled = d_scores * ctx.scale
-            for part in _chunks(num_edges, heads * width):
-                ds = scaled[part]
-                ks = k.index_select(0, src[part]).to(acc)  # (c, k, e)
-                grad_q.index_add_(0, dst[part], ds[..., None] * ks[:, :, None])
-                qd = qg.index_select(0, dst[part]).to(acc)  # (c, k, g, e)
-                grad_k.index_add_(0, src[part], torch.einsum("ckg,ckge->cke", ds, qd))
-            grad_q = grad_q.reshape(n, heads, width).to(q.dtype)
-            grad_k = grad_k.to(k.dtype)
+        # softmax backward per query: ds = p * (dp - sum over its edges of p * dp)
+        row = weights.new_zeros(heads, n).index_add_(1, dst, weights * d_weights)
+        d_scores = weights * (d_weights - row.index_select(1, dst))
+        grad_q = torch.empty_like(qh)
+        grad_k, grad_v = torch.zeros_like(kh), torch.zeros_like(vh)
+        for h in range(heads):
+            grad_v[h // groups] += pattern.by_source(dropped[h]) @ gh[h]
+            grad_q[h] = pattern.by_target(d_scores[h] * ctx.scale) @ kh[h // groups]
+            grad_k[h // groups] += pattern.by_source(d_scores[h] * ctx.scale) @ qh[h]
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            grad_bias = d_scores.reshape(num_edges, heads).to(ctx.bias_dtype)
-        return grad_q, grad_k, grad_v.to(v.dtype), grad_bias, None, None, None, None
-
-
-def _aggregate(weights: Tensor, v: Tensor, src: Tensor, dst: Tensor, n: int) -> Tensor:
-    """(n, k, g, f) float32: sum over the edges of each query of weight · value, chunked."""
-    num_edges, kv_heads, groups = weights.shape
-    acc = weights.dtype
-    out = torch.zeros(n, kv_heads, groups, v.shape[-1], dtype=acc, device=v.device)
-    for part in _chunks(num_edges, kv_heads * groups * v.shape[-1]):
-        vs = v.index_select(0, src[part]).to(acc)  # (c, k, f)
-        out.index_add_(0, dst[part], weights[part][..., None] * vs[:, :, None])
-    return out
+            grad_bias = d_scores.t().to(ctx.bias_dtype)
+        return (grad_q.transpose(0, 1).to(q.dtype), grad_k.transpose(0, 1).to(k.dtype),
+                grad_v.transpose(0, 1).to(v.dtype), grad_bias, None, None, None, None)
 
 
 def edge_attend(

@@ -73,8 +73,7 @@ def test_gradcheck(kv_heads):
     )
 
 
-def test_fused_equals_explicit_gradients_over_many_chunks(monkeypatch):
-    monkeypatch.setattr(segment, "CHUNK_ELEMENTS", 8)  # 1024-edge chunks: several of them
+def test_fused_equals_explicit_gradients():
     q, k, v, src, dst, bias = random_problem(n=300, m=200, num_edges=5000)
     weight = torch.randn(300, 4, 5, dtype=q.dtype)
     results = []
@@ -91,13 +90,12 @@ def test_fused_equals_explicit_gradients_over_many_chunks(monkeypatch):
 
 def test_dropout_keeps_the_mask_for_backward():
     q, k, v, src, dst, bias = random_problem()
-    kv_heads, groups = k.shape[1], q.shape[1] // k.shape[1]
+    groups = q.shape[1] // k.shape[1]
     inputs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
     torch.manual_seed(3)
     out = EdgeAttend.apply(*inputs, src, dst, 0.5, 0.4)
     torch.manual_seed(3)
-    keep = torch.rand(src.shape[0], kv_heads, groups, dtype=torch.float64) >= 0.4
-    keep = keep.reshape(src.shape[0], -1)
+    keep = (torch.rand(q.shape[1], src.shape[0], dtype=torch.float64) >= 0.4).t()  # (h, E)
     ref_inputs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
     qr, kr, vr, br = ref_inputs
     kr, vr = (t.repeat_interleave(groups, dim=1) for t in (kr, vr))
