@@ -9,9 +9,9 @@ D=64, 4 heads (head width 16), fp32 on the CPU with one torch thread, forward + 
 
 - ``edge``: :class:`mmattn.EdgeAttention` on the (N, D) node rows (its default,
   memory-lean path; the edge checks, deduplication and sort run inside every call);
-- ``dense``: :class:`mmattn.MultiHeadAttention` with the same weights and ``attn_mask =
-  adapters.neighbourhood_mask(edge_index, None, 1, num_heads=4)`` (H, N, N), built once
-  outside the timing. Both attend the edges plus a self loop;
+- ``dense``: :class:`mmattn.MultiHeadAttention` with the same weights and the (H, N, N)
+  ``attn_mask`` that ``adapters.neighbourhood_mask(edge_index, None, 1, num_heads=4)``
+  gives, built once outside the timing. Both attend the edges plus a self loop;
 - ``pyg``: ``torch_geometric.nn.TransformerConv(64, 16, heads=4, concat=True,
   root_weight=False, beta=False)``, which has no self loops and no output projection;
   against it ``edge`` runs with ``add_self_loops=False`` on the same edges (and keeps its
@@ -59,10 +59,11 @@ def random_graph(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def dense_blocked(edge_index: torch.Tensor, n: int) -> torch.Tensor:
-    """(H, N, N) ``adapters.neighbourhood_mask(..., num_heads=H)``: True = not allowed."""
-    from adapters import neighbourhood_mask
-
-    return neighbourhood_mask(edge_index, None, 1, num_heads=HEADS, max_num_nodes=n)
+    """(H, N, N), what ``adapters.neighbourhood_mask(edge_index, None, 1, num_heads=H)``
+    returns for one graph (True = not allowed), built without torch_geometric."""
+    allowed = torch.eye(n, dtype=torch.bool)
+    allowed[edge_index[1], edge_index[0]] = True
+    return (~allowed).expand(HEADS, n, n).contiguous()
 
 
 def build(name: str, n: int, edge_index: torch.Tensor):

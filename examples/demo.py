@@ -29,6 +29,7 @@ EXAMPLES = (
     "multimodal_match",
     "audio_dtmf",
     "caption_decoder",
+    "graph_edges",
     "graph_sbm",
     "graph_packed",
     "text_recall",
