@@ -167,6 +167,8 @@ class Tokens:
         """The real tokens as a packed batch (itself when already packed).
 
         Each sequence keeps its real tokens in order; padding is dropped, wherever it sits.
+        A ``meta["edge_index"]`` (graph edges in the flat token order) follows the tokens to
+        their packed rows; edges touching padding are dropped.
 
         Shape:
             - returns: Tokens with x (B, l*, D) jagged, ``lengths`` as before, mask None
@@ -187,10 +189,13 @@ class Tokens:
             values = self.x[self.mask]
             lengths = self.mask.sum(dim=1)
         offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-        return Tokens(_packed.jagged(values, offsets), None, self.meta)
+        meta = _edges_to_packed(self.meta, self.full_mask())
+        return Tokens(_packed.jagged(values, offsets), None, meta)
 
     def unpack(self) -> Tokens:
         """A padded batch (zeros at padding, left-aligned) with its mask; itself if padded.
+
+        A ``meta["edge_index"]`` follows the tokens to their padded rows ``b·L + i``.
 
         Shape:
             - returns: Tokens with x (B, max lᵢ, D) and mask (B, max lᵢ)
@@ -199,7 +204,7 @@ class Tokens:
             return self
         values, offsets = _packed.contiguous_parts(self.x)
         x, mask = _packed.pad_values(values, offsets)
-        return Tokens(x, mask, self.meta)
+        return Tokens(x, mask, _edges_to_padded(self.meta, offsets, x.shape[1]))
 
     @staticmethod
     def from_packed(values: Tensor, offsets: Tensor, meta: dict | None = None) -> Tokens:
@@ -357,6 +362,28 @@ def check_tokens(
         )
     check_matches_params(name, value.x, like)
     return value
+
+
+def _edges_to_packed(meta: dict, mask: Tensor) -> dict:
+    """``meta["edge_index"]`` from padded rows (b·L + i) to packed rows; padding edges go."""
+    edges = meta.get("edge_index")
+    if not isinstance(edges, Tensor):
+        return meta
+    flat = mask.reshape(-1)
+    rows = flat.long().cumsum(0) - 1  # packed row of every real padded slot
+    edges = edges.long()
+    edges = edges[:, flat[edges].all(dim=0)]
+    return {**meta, "edge_index": rows[edges]}
+
+
+def _edges_to_padded(meta: dict, offsets: Tensor, length: int) -> dict:
+    """``meta["edge_index"]`` from packed rows to padded rows ``b·L + i``."""
+    edges = meta.get("edge_index")
+    if not isinstance(edges, Tensor):
+        return meta
+    edges = edges.long()
+    item = torch.searchsorted(offsets[1:], edges.reshape(-1), right=True).view_as(edges)
+    return {**meta, "edge_index": item * length + edges - offsets[item]}
 
 
 def _check_packed_x(x: Tensor, mask: Tensor | None) -> None:

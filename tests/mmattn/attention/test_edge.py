@@ -337,3 +337,16 @@ def test_registry_and_repr():
 
     module = build_attention("edge", D, H, attention_kwargs={"add_self_loops": False})
     assert isinstance(module, EdgeAttention) and "add_self_loops=False" in repr(module)
+
+
+def test_pack_and_unpack_carry_the_edges():
+    x, mask, edge_index = graph_batch()
+    tokens = Tokens(x.float(), mask, {"edge_index": edge_index})
+    block = TransformerBlock(D, H, attention="edge")
+    want = block(tokens).x[mask]
+    packed = tokens.pack()
+    torch.testing.assert_close(block(packed).x.values(), want, atol=1e-5, rtol=0)
+    back = packed.unpack()
+    assert torch.equal(torch.unique(back.meta["edge_index"], dim=1),
+                       torch.unique(edge_index, dim=1))
+    torch.testing.assert_close(block(back).x[mask], want, atol=1e-5, rtol=0)
