@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/compile.py --write-docs
 	$(PY) benchmarks/seqpar.py --write-docs
 	$(PY) benchmarks/huggingface.py --write-docs
+	$(PY) benchmarks/edge.py --write-docs
 
 # The docs tools come with the dev extra; --strict turns every warning (a broken link, a
 # docstring mkdocstrings cannot read) into a failure.

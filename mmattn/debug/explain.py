@@ -42,6 +42,8 @@ PATH_NOTES = {
     "local": "blocked local band: O(L·window), each block through the kernel below",
     "chunked": "additive scores, chunked over queries (no fused kernel exists for them)",
     "torch": "torch.nn.MultiheadAttention's own kernels (not seen by mmattn)",
+    "edge": "along the edges: SDDMM scores + CSR SpMM per head, O(E·h) kept for backward",
+    "edge-explicit": "along the edges, the explicit gather / index_add twin (O(E·h·e))",
 }
 
 
