@@ -126,7 +126,7 @@ def test_transformer_block_errors():
     with pytest.raises(ValueError, match="attn_mask must have shape"):
         block(Tokens(torch.randn(2, 3, 16)), attn_mask=torch.zeros(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"attention must be one of the registered names \["
-                                         r"'additive', 'full', 'linformer', 'local'.*'sparse'"):
+                                         r"'additive', .*'full', 'linformer', 'local'.*'sparse'"):
         TransformerBlock(16, 2, attention="sparse")
     with pytest.raises(ValueError, match="window_size must be given for attention='local'"):
         TransformerBlock(16, 2, attention="local")
