@@ -486,6 +486,9 @@ NOT_IN_MATRIX = {
     "masks.band_mask": "int arguments (tests/mmattn/test_masks.py)",
     "masks.local_allowed": "int arguments (tests/mmattn/attention/test_local.py)",
     "masks.merge_masks": "the modules' mask merger, reached through every attention subject",
+    "masks.k_hop_edges": "integer edge lists (tests/mmattn/kernels/test_segment.py)",
+    "EdgeAttention": "every call needs edge_index; its bad inputs are named cases in "
+                     "tests/mmattn/attention/test_edge.py",
     "position.sinusoidal_1d": "int arguments (named cases in test_bad_input_items.py)",
     "position.sinusoidal_2d": "int arguments (named cases in test_bad_input_items.py)",
     "position.position_1d": "a factory of the position subjects (named cases)",
