@@ -350,3 +350,17 @@ def test_pack_and_unpack_carry_the_edges():
     assert torch.equal(torch.unique(back.meta["edge_index"], dim=1),
                        torch.unique(edge_index, dim=1))
     torch.testing.assert_close(block(back).x[mask], want, atol=1e-5, rtol=0)
+
+
+def test_float_key_padding_mask_and_from_torch():
+    x, mask, edge_index = graph_batch()
+    edge = EdgeAttention(D, H, dtype=x.dtype)
+    want = edge(x, key_padding_mask=~mask, edge_index=edge_index)[0]
+    additive = torch.zeros(mask.shape, dtype=x.dtype).masked_fill(~mask, float("-inf"))
+    got = edge(x, key_padding_mask=additive, edge_index=edge_index)[0]
+    torch.testing.assert_close(got[mask], want[mask])
+    torch_mha = torch.nn.MultiheadAttention(D, H, batch_first=True, dtype=x.dtype)
+    copy = EdgeAttention.from_torch(torch_mha, add_self_loops=False)
+    assert isinstance(copy, EdgeAttention) and not copy.add_self_loops
+    with pytest.raises(NotImplementedError, match="no edges"):
+        copy.to_torch()
