@@ -62,7 +62,9 @@ class _Cache:
         self.num_kv_heads = checks.check_positive_int("num_kv_heads", num_kv_heads)
         self.head_dim = checks.check_positive_int("head_dim", head_dim)
         self.value_dim = checks.check_positive_int("value_dim", value_dim or head_dim)
-        self.dtype = dtype or torch.get_default_dtype()
+        # an integer cache would round every key and value it stores
+        self.dtype = checks.check_dtype("dtype", dtype or torch.get_default_dtype(),
+                                        floating=True)
         shape = (batch_size, num_kv_heads, slots)
         self.k = torch.zeros(*shape, head_dim, device=device, dtype=self.dtype)
         self.v = torch.zeros(*shape, self.value_dim, device=device, dtype=self.dtype)

@@ -32,6 +32,7 @@ from torch import Tensor
 from mmattn._checks import (
     check_bool,
     check_dtype,
+    check_has_data,
     check_integer_dtype,
     check_mask_dtype,
     check_positive_int,
@@ -66,7 +67,8 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
 
     Raises:
         TypeError: ``lengths`` is not an integer tensor.
-        ValueError: ``lengths`` is not 1-D, is negative, or exceeds ``max_len``.
+        ValueError: ``lengths`` is not 1-D, is negative, exceeds ``max_len``, or is on the
+            meta device (the mask depends on its values).
 
     Examples:
         >>> padding_mask(torch.tensor([2, 4])).int().tolist()
@@ -74,6 +76,7 @@ def padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
     """
     check_rank("lengths", lengths, (1,), "(batch,)")
     check_integer_dtype("lengths", lengths)
+    check_has_data("lengths", lengths)  # the mask's length and its checks read the values
     longest = int(lengths.max()) if lengths.numel() else 0
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
@@ -212,11 +215,13 @@ def to_bool(mask: Tensor) -> Tensor:
 
     Raises:
         TypeError: ``mask`` is not floating.
-        ValueError: ``mask`` holds values other than 0 and -inf.
+        ValueError: ``mask`` holds values other than 0 and -inf, or is on the meta device
+            (it has no values to convert).
     """
     check_tensor("mask", mask)
     if not mask.is_floating_point():
         raise TypeError(f"mask must have a floating dtype, got {mask.dtype}")
+    check_has_data("mask", mask)  # whether the conversion is lossless depends on the values
     allowed = mask == 0
     if not bool((allowed | torch.isneginf(mask)).all()):
         raise ValueError("mask must hold only 0 and -inf to convert to bool losslessly")
@@ -244,7 +249,9 @@ def merge_masks(
     """Merge the module masks (True = NOT allowed) into one SDPA mask (True = may attend).
 
     Two boolean masks merge into a boolean mask; when either is a float mask, the result is
-    additive in ``dtype`` (booleans become 0 / -inf). Shapes are assumed already checked.
+    additive in ``dtype`` (booleans become 0 / -inf). An integer mask is refused, as the
+    modules refuse it: taken as additive, a 0/1 padding mask would add +1 to the padded keys
+    instead of masking them.
 
     Args:
         key_padding_mask: (B, S), True (or -inf) at padded keys.
@@ -253,7 +260,19 @@ def merge_masks(
 
     Shape:
         - returns: (B, 1 or H, L or 1, S), or None when both inputs are None.
+
+    Raises:
+        TypeError: a mask that is not a tensor, or neither bool nor floating (an integer
+            mask); ``dtype`` is not a floating dtype.
+        ValueError: a mask of the wrong rank, or whose batch (B, or B * num_heads) or key
+            length does not fit.
+
+    Examples:
+        >>> kpm = torch.tensor([[False, True]])
+        >>> merge_masks(kpm, None, batch_size=1, num_heads=2, dtype=torch.float32).tolist()
+        [[[[True, False]]]]
     """
+    _check_merge_inputs(key_padding_mask, attn_mask, batch_size, num_heads, dtype)
     parts = []
     if key_padding_mask is not None:
         parts.append(rearrange(key_padding_mask, "b j -> b 1 1 j"))
@@ -328,3 +347,40 @@ def k_hop_edges(edge_index: Tensor, num_hops: int, num_nodes: int | None = None)
         for _ in range(num_hops - 1):
             reach = pattern((reach + torch.sparse.mm(reach, step)).coalesce().indices())
     return reach.indices().flip(0)
+
+
+def _check_merge_inputs(
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    batch_size: int,
+    num_heads: int,
+    dtype: torch.dtype,
+) -> None:
+    """Python-level checks of :func:`merge_masks`' arguments (no tensor values are read)."""
+    check_positive_int("batch_size", batch_size, minimum=0)
+    check_positive_int("num_heads", num_heads)
+    check_dtype("dtype", dtype, floating=True)
+    if key_padding_mask is not None:
+        check_rank("key_padding_mask", key_padding_mask, (2,), "(batch, key_len)")
+        check_mask_dtype("key_padding_mask", key_padding_mask)
+        if key_padding_mask.shape[0] != batch_size:
+            raise ValueError(
+                f"key_padding_mask must have batch size batch_size={batch_size}, got shape "
+                f"{tuple(key_padding_mask.shape)}"
+            )
+    if attn_mask is not None:
+        check_rank("attn_mask", attn_mask, (2, 3),
+                   "(query_len, key_len) or (batch * num_heads, query_len, key_len)")
+        check_mask_dtype("attn_mask", attn_mask)
+        if attn_mask.dim() == 3 and attn_mask.shape[0] != batch_size * num_heads:
+            raise ValueError(
+                f"a 3-D attn_mask must have batch_size * num_heads = {batch_size * num_heads} "
+                f"masks, got shape {tuple(attn_mask.shape)}"
+            )
+    if key_padding_mask is not None and attn_mask is not None and (
+        key_padding_mask.shape[1] != attn_mask.shape[-1]
+    ):
+        raise ValueError(
+            f"key_padding_mask and attn_mask must have the same key length, got shapes "
+            f"{tuple(key_padding_mask.shape)} and {tuple(attn_mask.shape)}"
+        )

@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from mmattn._checks import check_bool, check_meta
+
 from mmattn.attention.additive import AdditiveAttention
 from mmattn.attention.edge import EdgeAttention
 from mmattn.attention.linformer import LinformerAttention
@@ -58,34 +60,60 @@ def available_attention() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def register_attention(name: str, factory: F | None = None) -> F | Callable[[F], F]:
+def register_attention(
+    name: str, factory: F | None = None, *, override: bool = False
+) -> F | Callable[[F], F]:
     """Register ``factory`` (an attention class or a callable) under ``name``.
 
     Usable directly, ``register_attention("mine", MyAttention)``, or as a class decorator,
-    ``@register_attention("mine")``. Registering an existing name replaces it only when it
-    is the same factory (re-imports); another factory raises.
+    ``@register_attention("mine")``. A taken name is compared by identity: registering the
+    same object again is a no-op; another object (another lambda, a class of the same name
+    from another module, a reloaded module's new class) raises, unless ``override=True``
+    replaces it.
+
+    Args:
+        name: the name blocks take as ``attention=name``.
+        factory: the class or callable; None for the decorator form.
+        override: replace whatever ``name`` is registered for.
 
     Raises:
-        TypeError: ``name`` is not a string or ``factory`` not callable.
-        ValueError: ``name`` is empty or already taken by another factory.
+        TypeError: ``name`` is not a string, ``factory`` not callable, ``override`` not a
+            bool.
+        ValueError: ``name`` is empty or already taken by another object (and not
+            ``override``).
+
+    Examples:
+        >>> from mmattn import MultiHeadAttention
+        >>> class Mine(MultiHeadAttention):
+        ...     pass
+        >>> register_attention("doc-mine", Mine) is register_attention("doc-mine", Mine)
+        True
+        >>> _ = register_attention("doc-mine", MultiHeadAttention, override=True)
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
+    check_bool("override", override)
 
     def add(factory: F) -> F:
         if not callable(factory):
             raise TypeError(f"factory must be a class or callable, got {type(factory).__name__}")
         known = _REGISTRY.get(name)
-        if known is not None and getattr(known, "__qualname__", None) != getattr(
-            factory, "__qualname__", object()
-        ):
+        if known is not None and known is not factory and not override:
             raise ValueError(
-                f"attention name {name!r} is already registered for {_label(known)}"
+                f"attention name {name!r} is already registered for {_describe(known)}, got "
+                f"another object, {_describe(factory)}; pick another name, or pass "
+                "override=True to replace it"
             )
         _REGISTRY[name] = factory
         return factory
 
     return add if factory is None else add(factory)
+
+
+def _describe(factory: object) -> str:
+    module = getattr(factory, "__module__", None)
+    label = getattr(factory, "__qualname__", None) or _label(factory)
+    return f"{module}.{label}" if module else label
 
 
 def _label(factory: object) -> str:
@@ -135,11 +163,13 @@ def build_attention(
             return an ``nn.Module``.
     """
     label, factory = resolve_attention(attention)
-    kwargs = dict(attention_kwargs or {})
+    kwargs = check_meta("attention_kwargs", attention_kwargs)
     for key in kwargs:
         if not isinstance(key, str):
             raise TypeError(f"attention_kwargs keys must be strings, got {key!r}")
     _check_arguments(label, factory, kwargs)
+    if "batch_first" not in kwargs and _takes(factory, "batch_first"):
+        kwargs["batch_first"] = True  # nn.MultiheadAttention defaults to (L, B, D)
     module = factory(
         embed_dim, num_heads, dropout=dropout, bias=bias, device=device, dtype=dtype, **kwargs
     )
@@ -147,7 +177,20 @@ def build_attention(
         raise TypeError(
             f"attention={label!r} must build an nn.Module, got {type(module).__name__}"
         )
+    if getattr(module, "batch_first", True) is False:
+        raise ValueError(
+            f"attention={label!r} built a module with batch_first=False, but blocks pass "
+            "(batch, length, dim) inputs: build it with batch_first=True"
+        )
     return module
+
+
+def _takes(factory: Factory, name: str) -> bool:
+    """Whether ``factory``'s signature names the parameter ``name`` (not via ``**kwargs``)."""
+    try:
+        return name in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _check_arguments(label: str, factory: Factory, kwargs: dict[str, Any]) -> None:

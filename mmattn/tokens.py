@@ -29,6 +29,7 @@ from mmattn._checks import (
     check_rank,
     check_same_device,
     check_shape,
+    check_has_data,
     check_tensor,
 )
 from mmattn.kernels import packed as _packed
@@ -74,6 +75,13 @@ class Tokens:
         if _packed.is_jagged(x):
             _check_packed_x(x, mask)
         else:
+            check_tensor("Tokens.x", x)
+            if x.is_nested:  # torch.nested's default (strided) layout: torch ops fail deep down
+                raise ValueError(
+                    f"Tokens.x must be a dense tensor or a jagged nested tensor, got a nested "
+                    f"tensor of layout {x.layout}; make it with torch.nested.nested_tensor("
+                    "tensors, layout=torch.jagged) or Tokens.pack"
+                )
             check_rank("Tokens.x", x, (3,), "(batch, length, dim)")
         if not x.dtype.is_floating_point:
             raise TypeError(f"Tokens.x must have a floating-point dtype, got {x.dtype}")
@@ -186,6 +194,7 @@ class Tokens:
             values = self.x.reshape(batch * length, dim)
             lengths = torch.full((batch,), length, dtype=torch.long, device=self.device)
         else:
+            check_has_data("Tokens.mask", self.mask)  # packing reads which tokens are real
             values = self.x[self.mask]
             lengths = self.mask.sum(dim=1)
         offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
@@ -235,6 +244,7 @@ class Tokens:
         if offsets.is_floating_point() or offsets.dtype == torch.bool:
             raise TypeError(f"offsets must have an integer dtype, got {offsets.dtype}")
         check_same_device("offsets", offsets, "values", values)
+        check_has_data("offsets", offsets)
         if offsets.numel() == 0:
             raise ValueError("offsets must hold at least one entry (0), got an empty tensor")
         steps = offsets.diff()
@@ -328,10 +338,12 @@ class Tokens:
         if self.is_packed:
             return (
                 f"Tokens(x=packed({self.batch_size}, l*, {self.dim}), dtype={self.dtype}, "
-                f"device={self.device}, lengths={self.lengths.tolist()}, "
+                f"device={self.device}, lengths="
+                f"{'meta' if self.x.is_meta else self.lengths.tolist()}, "
                 f"meta_keys={sorted(self.meta)})"
             )
-        mask = "None" if self.mask is None else f"lengths={self.lengths.tolist()}"
+        mask = "None" if self.mask is None else (
+            "meta" if self.mask.is_meta else f"lengths={self.lengths.tolist()}")
         keys = sorted(self.meta)
         return (
             f"Tokens(x={tuple(self.x.shape)}, dtype={self.dtype}, device={self.device}, "

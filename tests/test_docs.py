@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmattn import registry
 from mmattn.kernels import dense as _kernel
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -67,6 +68,7 @@ def run_page(page: str) -> list[tuple[str, str, str | None]]:
     # the pages show the defaults: the fused path on, whatever MMATTN_FUSED_ATTN says
     previous = _kernel.use_fused_attn()
     _kernel.set_fused_attn(True)
+    registered = dict(registry._REGISTRY)  # a page's register_attention stays on the page
     try:
         for n, (language, code) in enumerate(fenced):
             if language != "python":
@@ -80,6 +82,8 @@ def run_page(page: str) -> list[tuple[str, str, str | None]]:
     finally:
         torch.set_printoptions(profile="default")
         _kernel.set_fused_attn(previous)
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(registered)
     return results
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from einops import rearrange
 
-from mmattn import Tokens, TransformerBlock
+from mmattn import Tokens, TransformerBlock, registry
 from mmattn.functional import fused_attn
 from mmattn.registry import available_attention
 
@@ -24,16 +25,19 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "variants.md"
 
 
 @pytest.fixture(scope="module")
-def example() -> dict:
+def example() -> Iterator[dict]:
     text = PAGE.read_text(encoding="utf-8")
     section = text.split("## Writing your own attention variant", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}
     buffer = io.StringIO()
+    registered = dict(registry._REGISTRY)  # the page's register_attention("qk_norm")
     with contextlib.redirect_stdout(buffer):
         exec(compile(block, str(PAGE), "exec"), namespace)
     namespace["printed"] = buffer.getvalue().strip()
-    return namespace
+    yield namespace
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(registered)
 
 
 def test_example_prints_what_the_page_shows(example):

@@ -143,6 +143,10 @@ class LinformerAttention(MultiHeadAttention):
         Raises:
             ValueError: always.
         """
+        self._check_cacheable()
+
+    def _check_cacheable(self) -> None:
+        # also for a hand-made KVCache (which would otherwise decode without the projection)
         raise ValueError(
             "LinformerAttention has no cache: decoding is causal, and the sequence projection "
             "mixes future keys into every slot"
@@ -208,7 +212,10 @@ class LinformerAttention(MultiHeadAttention):
 def _real_keys(mask: Tensor) -> Tensor:
     """The merged key-padding mask (b, 1, 1, j), bool or 0/-inf additive -> (b, j) real keys."""
     real = allowed(mask)[:, 0, 0]
-    if mask.dtype != torch.bool and bool(((mask != 0) & ~torch.isneginf(mask)).any()):
+    # a meta mask has no values to read: its shape is what matters there
+    if mask.dtype != torch.bool and not mask.is_meta and bool(
+        ((mask != 0) & ~torch.isneginf(mask)).any()
+    ):
         raise ValueError(
             "key_padding_mask for LinformerAttention must be bool or hold only 0 and -inf: "
             "other additive values cannot be applied after the sequence projection"

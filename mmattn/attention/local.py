@@ -192,11 +192,7 @@ class LocalAttention(MultiHeadAttention):
         Raises:
             ValueError: ``num_global_tokens`` > 0 (global keys would need the whole past).
         """
-        if self.num_global_tokens:
-            raise ValueError(
-                "LocalAttention with num_global_tokens > 0 has no cache: its global tokens "
-                "attend every key"
-            )
+        self._check_cacheable()
         weight = self.k_proj.weight
         return LocalKVCache(
             batch_size, max_len, self.window_size, self.num_kv_heads, self.head_dim,
@@ -259,3 +255,12 @@ class LocalAttention(MultiHeadAttention):
 
     def _cache_rules(self) -> tuple[int | None, bool]:
         return self.window_size, self.causal
+
+    def _check_cacheable(self) -> None:
+        # also for a hand-made LocalKVCache: the ring would silently drop the global keys
+        super()._check_cacheable()
+        if self.num_global_tokens:
+            raise ValueError(
+                "LocalAttention with num_global_tokens > 0 has no cache: its global tokens "
+                "attend every key"
+            )

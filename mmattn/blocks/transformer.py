@@ -106,7 +106,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         hidden = check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
         label, _ = resolve_attention(attention)
-        kwargs = dict(attention_kwargs or {})
+        kwargs = checks.check_meta("attention_kwargs", attention_kwargs)
         if window_size is not None:
             checks.check_positive_int("window_size", window_size, minimum=0)
             kwargs["window_size"] = window_size

@@ -27,8 +27,10 @@ def replace_attention(
 
     Each one becomes ``MultiHeadAttention.from_torch(m)`` (same weights, same settings, same
     outputs), or ``factory(m)`` when given, e.g. a variant that takes over the projection
-    weights. The new module keeps the old one's device, dtype and train/eval mode, and a
-    module shared by several parents stays shared. Modules that are already mmattn ones are
+    weights. The new module keeps the old one's device, dtype and train/eval mode. Ties are
+    kept: a module that appears in several slots (shared by several parents, or twice in one
+    ``nn.ModuleList([a, a])``) is replaced by one new module, put in every slot where it
+    appeared, and the factory is called once for it. Modules that are already mmattn ones are
     left alone; a subclass of ``nn.MultiheadAttention`` that overrides ``forward`` is
     skipped with a warning (its behaviour is not torch's). Finally every
     ``nn.TransformerEncoder`` gets ``use_nested_tensor = False``, so its inference fast path
@@ -48,7 +50,8 @@ def replace_attention(
             one). Default: ``MultiHeadAttention.from_torch``.
 
     Returns:
-        How many modules were replaced, timm ones included (0 when there are none).
+        How many distinct modules were replaced, timm ones included (a tied module counts
+        once, however many slots hold it; 0 when there are none).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``factory`` is not callable or returned
@@ -77,12 +80,18 @@ def replace_attention(
         )
     build = default(factory, MultiHeadAttention.from_torch)
     replaced: dict[int, nn.Module] = {}
+    skipped: set[int] = set()
     for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
+        # parent._modules, not named_children(): that skips a module met before, so the
+        # second slot of a tied ModuleList([a, a]) would keep torch's module
+        for name, child in list(parent._modules.items()):
             if not _is_torch_attention(child, MultiHeadAttention):
                 continue
             path = f"{parent_name}.{name}" if parent_name else name
             if type(child).forward is not nn.MultiheadAttention.forward:
+                if id(child) in skipped:
+                    continue
+                skipped.add(id(child))
                 warnings.warn(
                     f"replace_attention skipped {path}: {type(child).__name__} overrides "
                     "nn.MultiheadAttention.forward",

@@ -5,8 +5,9 @@ Axis key: ``i`` query length, ``j`` key length.
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Sequence
+import re
+import warnings
+from collections.abc import Iterable, Sequence
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
@@ -16,39 +17,36 @@ from matplotlib import font_manager, ft2font
 from matplotlib.figure import Figure
 from torch import Tensor
 
-#: Families tried, in order, for labels the default font cannot draw.
+#: Families preferred, in order, for labels the default font cannot draw.
 CJK_FAMILIES = (
     "Noto Sans CJK SC",
     "Noto Sans CJK JP",
+    "Noto Sans CJK TC",
+    "Noto Sans CJK KR",
     "Noto Sans SC",
     "Source Han Sans SC",
+    "Source Han Sans CN",
+    "Source Han Sans",
     "WenQuanYi Micro Hei",
     "WenQuanYi Zen Hei",
-    "Droid Sans Fallback",
-    "SimHei",
-    "Microsoft YaHei",
     "PingFang SC",
+    "Microsoft YaHei",
     "Hiragino Sans GB",
+    "SimHei",
+    "Droid Sans Fallback",
     "AR PL UMing CN",
 )
-#: Python packages known to ship a CJK font file (registered with matplotlib when present).
-FONT_PACKAGES = ("paperang_p2_fonts_cjk",)
+#: Any other installed family whose name says it covers CJK (after the preferred ones).
+CJK_NAME = re.compile(
+    r"CJK|Source Han|WenQuanYi|PingFang|YaHei|JhengHei|Hiragino|SimHei|SimSun|Droid Sans "
+    r"Fallback|AR PL|Noto (Sans|Serif) (SC|TC|HK|JP|KR)\b|Sarasa|Unifont"
+)
 
 PathLike = str | Path
+_warned: list[bool] = []  # the no-CJK-font warning is given once a process
 
 
 # --- fonts ---------------------------------------------------------------------------------
-
-
-def _register_package_fonts() -> None:
-    for package in FONT_PACKAGES:
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        for root in spec.submodule_search_locations:
-            for file in sorted(Path(root).rglob("*")):
-                if file.suffix.lower() in (".ttf", ".ttc", ".otf"):
-                    font_manager.fontManager.addfont(str(file))
 
 
 @cache
@@ -57,18 +55,31 @@ def _charmap(family: str) -> frozenset[int]:
     return frozenset(ft2font.FT2Font(path).get_charmap())
 
 
-@lru_cache(maxsize=1)
-def _cjk_family() -> str | None:
-    _register_package_fonts()
-    installed = {f.name for f in font_manager.fontManager.ttflist}
+def pick_cjk_family(installed: Iterable[str]) -> str | None:
+    """The CJK-capable family to use among the ``installed`` family names, or None.
+
+    The first of :data:`CJK_FAMILIES` that is installed, else the first installed family
+    (sorted) whose name matches :data:`CJK_NAME`.
+    """
+    installed = set(installed)
     for family in CJK_FAMILIES:
         if family in installed:
             return family
-    return None
+    return next((f for f in sorted(installed) if CJK_NAME.search(f)), None)
+
+
+@lru_cache(maxsize=1)
+def _cjk_family() -> str | None:
+    return pick_cjk_family(f.name for f in font_manager.fontManager.ttflist)
 
 
 def label_font() -> list[str]:
     """The font families labels are drawn with: the default sans-serif, then a CJK one.
+
+    The CJK family is any one installed on the system that matplotlib's font manager knows
+    (Noto Sans CJK, Source Han, WenQuanYi, PingFang, Microsoft YaHei, ...; see
+    :func:`pick_cjk_family`). Without one, labels are drawn with the default font and a
+    character it cannot draw is written as its ``\\uXXXX`` escape (with a warning, once).
 
     Returns:
         ``["DejaVu Sans"]`` plus the first installed CJK-capable family, if any;
@@ -83,8 +94,23 @@ def label_font() -> list[str]:
 
 
 def _drawable(text: str) -> str:
-    """``text`` with every character no label font can draw replaced by its ``\\uXXXX``."""
-    covered = frozenset().union(*(_charmap(f) for f in label_font()))
+    """``text`` with every character no label font can draw replaced by its ``\\uXXXX``.
+
+    The first time a character cannot be drawn because no CJK font is installed, a warning
+    says how to get one (once a process).
+    """
+    fonts = label_font()
+    covered = frozenset().union(*(_charmap(f) for f in fonts))
+    missing = [ch for ch in text if not ch.isspace() and ord(ch) not in covered]
+    if missing and len(fonts) == 1 and not _warned:
+        _warned.append(True)
+        warnings.warn(
+            f"mmattn.viz found no CJK font, so {''.join(missing[:5])!r} is drawn as \\uXXXX "
+            "escapes with the default font; install one (e.g. apt-get install "
+            "fonts-noto-cjk, or pip install mplfonts && mplfonts init), see "
+            "docs/debugging.md",
+            stacklevel=3,
+        )
     return "".join(
         ch if ch.isspace() or ord(ch) in covered else ch.encode("unicode_escape").decode()
         for ch in text

@@ -11,6 +11,7 @@ import torch  # noqa: F401 - the Examples blocks run in this namespace
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from mmattn._checks import check_positive_int
 from mmattn.viz._common import PathLike, _array, _draw_heatmap, _figure, _finish, _labels
 
 __all__ = ["attention_heatmap", "head_grid"]
@@ -91,7 +92,9 @@ def head_grid(
         The ``matplotlib.figure.Figure``.
 
     Raises:
-        ValueError: ``weights`` is not 3-D, ``ncols < 1``, or a label list does not fit.
+        TypeError: ``ncols`` is not an int.
+        ValueError: ``weights`` is not 3-D or holds no head, ``ncols < 1``, or a label list
+            does not fit.
 
     Examples:
         >>> fig = head_grid(torch.rand(3, 4, 4).softmax(-1), ncols=2)
@@ -99,9 +102,10 @@ def head_grid(
         3
     """
     weights = _array(weights, "weights", (3,))
-    if ncols < 1:
-        raise ValueError(f"ncols must be >= 1, got {ncols}")
+    check_positive_int("ncols", ncols)
     h, i, j = weights.shape
+    if h == 0:
+        raise ValueError(f"weights must hold at least one head, got shape {(h, i, j)}")
     if key_labels is None and query_labels is not None and i == j:
         key_labels = query_labels
     ylabels = _labels(query_labels, i, "query_labels", "query rows")
@@ -111,7 +115,7 @@ def head_grid(
     side = max(2.0, 0.22 * max(i, j) + 1.0)
     fig = _figure(side * cols + 0.8, side * rows + 0.4)
     axes = fig.subplots(rows, cols, squeeze=False)
-    top = float(weights.max()) or 1.0  # one colour scale for every head
+    top = (float(weights.max()) if weights.numel() else 0.0) or 1.0  # one scale for all
     image = None
     for head in range(rows * cols):
         ax = axes[head // cols][head % cols]

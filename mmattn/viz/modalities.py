@@ -13,6 +13,7 @@ from einops import rearrange
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from mmattn._checks import check_integer_dtype, check_number, check_pair, check_positive_int
 from mmattn.tokens import Tokens
 from mmattn.viz._common import PathLike, _array, _figure, _finish, _labels, label_font
 
@@ -26,7 +27,7 @@ def _grid_of(grid: tuple[int, int] | Tokens) -> tuple[tuple[int, int], dict]:
         return tuple(grid.meta["grid"]), grid.meta
     if not (isinstance(grid, Sequence) and len(grid) == 2):
         raise TypeError(f"grid must be (rows, cols) or image Tokens, got {grid!r}")
-    return (int(grid[0]), int(grid[1])), {}
+    return check_pair("grid", grid, minimum=0, what="(rows, cols)"), {}
 
 
 def image_attention(
@@ -63,8 +64,9 @@ def image_attention(
         The ``matplotlib.figure.Figure`` (the image, and the image with the overlay).
 
     Raises:
-        ValueError: the map's size does not fit the grid (both shapes named), or ``image``
-            is not 2-D / 3-D.
+        TypeError: ``grid`` is not a pair of ints or image Tokens.
+        ValueError: the map's size does not fit the grid (both shapes named), a negative
+            grid, or ``image`` is not 2-D / 3-D with 1, 3 or 4 channels.
 
     Examples:
         >>> fig = image_attention(torch.arange(4.0), torch.rand(3, 8, 8), (2, 2))
@@ -82,6 +84,11 @@ def image_attention(
     attention = rearrange(attention.reshape(-1), "(r c) -> r c", r=rows, c=cols)
     image = _array(image, "image", (2, 3))
     if image.dim() == 3:
+        if image.shape[0] not in (1, 3, 4):
+            raise ValueError(
+                f"image must have 1, 3 or 4 channels (channels first), got shape "
+                f"{tuple(image.shape)}"
+            )
         image = rearrange(image, "c y x -> y x c")
         if image.shape[-1] == 1:
             image = image[..., 0]
@@ -143,8 +150,9 @@ def audio_attention(
         The ``matplotlib.figure.Figure`` (spectrogram on top, attention below, shared time).
 
     Raises:
+        TypeError: ``frame_rate`` is not a number.
         ValueError: the map's length differs from the spectrogram's frame count (both shapes
-            named).
+            named); ``frame_rate`` is not a finite number > 0.
 
     Examples:
         >>> fig = audio_attention(torch.rand(20).softmax(0), torch.randn(20, 16))
@@ -158,6 +166,8 @@ def audio_attention(
             f"attention of shape {tuple(attention.shape)} does not fit the spectrogram of "
             f"shape {tuple(spectrogram.shape)} ({spectrogram.shape[0]} frames)"
         )
+    if frame_rate is not None:
+        frame_rate = check_number("frame_rate", frame_rate, positive=True)
     frames = spectrogram.shape[0]
     scale = 1.0 if frame_rate is None else 1.0 / frame_rate
     fig = _figure(6.5, 3.8)
@@ -225,8 +235,10 @@ def graph_attention(
         The ``matplotlib.figure.Figure``.
 
     Raises:
-        ValueError: the map's length differs from the node count, ``edge_index`` is not
-            (2, E) or names a node outside the graph, or ``pos`` does not fit.
+        TypeError: ``num_nodes`` or ``query`` is not an int, ``edge_index`` not integer.
+        ValueError: the map's length differs from the node count, the graph has no node,
+            ``edge_index`` is not (2, E) or names a node outside the graph, or ``pos`` does
+            not fit.
 
     Examples:
         >>> ring = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
@@ -235,20 +247,25 @@ def graph_attention(
         2
     """
     attention = _array(attention, "attention", (1,))
-    n = attention.shape[0] if num_nodes is None else int(num_nodes)
+    n = attention.shape[0] if num_nodes is None else check_positive_int("num_nodes", num_nodes)
+    if n == 0:
+        raise ValueError("attention must hold at least one node: a graph of 0 nodes has "
+                         "nothing to draw, got shape (0,)")
     if attention.shape[0] != n:
         raise ValueError(
             f"attention of shape {tuple(attention.shape)} does not fit the graph's "
             f"{n} nodes (expected shape ({n},))"
         )
-    edge_index = torch.as_tensor(edge_index).detach().cpu().long()
+    edge_index = torch.as_tensor(edge_index).detach().cpu()
+    check_integer_dtype("edge_index", edge_index, "node ids")
+    edge_index = edge_index.long()
     if edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise ValueError(f"edge_index must be (2, E), got shape {tuple(edge_index.shape)}")
     if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= n):
         raise ValueError(
             f"edge_index names node {int(edge_index.max())} but the graph has {n} nodes"
         )
-    if query is not None and not 0 <= query < n:
+    if query is not None and not 0 <= check_positive_int("query", query, minimum=0) < n:
         raise ValueError(f"query must be a node in [0, {n}), got {query}")
     labels = _labels(node_labels, n, "node_labels", "nodes")
     edges = [tuple(e) for e in edge_index.t().tolist()]

@@ -105,24 +105,57 @@ def test_bad_shapes_name_both_sides(call, message):
         call()
 
 
+@pytest.mark.skipif(not viz.label_font()[1:], reason="no CJK font installed (e.g. apt-get "
+                    "install fonts-noto-cjk, or pip install mplfonts && mplfonts init)")
 def test_cjk_labels_have_glyphs(tmp_path):
     labels = ["注意力", "查询", "キー", "값", "mix 中文"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib warns "Glyph ... missing from font(s)"
         fig = viz.attention_heatmap(torch.rand(5, 5), labels, title="中文标题",
                                     path=tmp_path / "cjk.png")
-    if viz.label_font()[1:]:
-        assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == labels
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == labels
 
 
-def test_without_a_cjk_font_labels_are_escaped_not_tofu(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "installed, chosen",
+    [
+        (["DejaVu Sans", "WenQuanYi Zen Hei", "Noto Sans CJK JP"], "Noto Sans CJK JP"),
+        (["DejaVu Sans", "WenQuanYi Micro Hei", "Microsoft YaHei"], "WenQuanYi Micro Hei"),
+        (["DejaVu Sans", "PingFang SC"], "PingFang SC"),
+        (["DejaVu Sans", "Source Han Serif SC", "cmr10"], "Source Han Serif SC"),  # by name
+        (["DejaVu Sans", "Noto Serif KR"], "Noto Serif KR"),
+        (["DejaVu Sans", "Noto Sans", "Noto Serif Display", "STIXGeneral"], None),
+        ([], None),
+    ],
+)
+def test_font_selection_takes_any_installed_cjk_family(installed, chosen, monkeypatch):
+    from matplotlib import font_manager
+
+    from mmattn.viz import _common
+
+    entries = [font_manager.FontEntry(fname=f"/fonts/{n}.ttf", name=n) for n in installed]
+    monkeypatch.setattr(font_manager.fontManager, "ttflist", entries)
+    _common._cjk_family.cache_clear()
+    try:
+        assert _common.pick_cjk_family(installed) == chosen
+        assert _common.label_font() == ["DejaVu Sans", *([chosen] if chosen else [])]
+    finally:
+        monkeypatch.undo()
+        _common._cjk_family.cache_clear()
+
+
+def test_without_a_cjk_font_labels_are_escaped_not_tofu_and_it_warns_once(tmp_path,
+                                                                         monkeypatch):
     from mmattn.viz import _common
 
     monkeypatch.setattr(_common, "label_font", lambda: ["DejaVu Sans"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    monkeypatch.setattr(_common, "_warned", [])
+    with pytest.warns(UserWarning, match="no CJK font.*fonts-noto-cjk.*debugging.md"):
         fig = viz.attention_heatmap(torch.rand(2, 2), ["中", "ab"], path=tmp_path / "x.png")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["\\u4e2d", "ab"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: neither we nor matplotlib warn again
+        viz.attention_heatmap(torch.rand(2, 2), ["字", "ab"], title="标题")
 
 
 def test_import_without_matplotlib_names_the_extra(monkeypatch):
