@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 from torch import nn
 
 from mmattn._checks import check_bool, check_meta
-
 from mmattn.attention.additive import AdditiveAttention
 from mmattn.attention.edge import EdgeAttention
 from mmattn.attention.linformer import LinformerAttention

@@ -24,12 +24,12 @@ from torch import Tensor
 
 from mmattn import _pytree
 from mmattn._checks import (
+    check_has_data,
     check_matches_params,
     check_meta,
     check_rank,
     check_same_device,
     check_shape,
-    check_has_data,
     check_tensor,
 )
 from mmattn.kernels import packed as _packed
