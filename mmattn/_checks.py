@@ -252,6 +252,16 @@ def check_has_data(name: str, value: Tensor) -> None:
         )
 
 
+def check_packed_has_data(name: str, value: Tensor) -> None:
+    """Raise ValueError for a packed (jagged) input on the meta device: the packed path plans
+    its work by the lengths, which a meta tensor does not hold."""
+    if value._values.is_meta:
+        raise ValueError(
+            f"{name} is a packed (jagged) tensor on the meta device: its lengths hold no data "
+            "and the packed path plans by them; give a tensor with values, or a padded batch"
+        )
+
+
 def autocast_on(device: torch.device) -> bool:
     """Whether autocast is enabled for ``device``'s type (then dtypes may legally differ)."""
     # only CPU and CUDA autocast are probed (asking about the meta device raises)

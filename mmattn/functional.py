@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Literal, overload
 
+import torch
 from torch import Tensor
 
 from mmattn._checks import (
@@ -77,9 +78,12 @@ def _check_attn_mask(mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
     """Validate ``attn_mask``; return it with at least 2 dims (a (S,) mask is (1, S))."""
     check_tensor("attn_mask", mask)
     check_mask_dtype("attn_mask", mask)
-    if mask.is_floating_point() and mask.dtype != q.dtype:
+    # torch's SDPA rule: a float mask is float32 (e.g. a bias kept in full precision under
+    # bf16 / fp16 queries, added to the float32 scores) or query's own dtype
+    if mask.is_floating_point() and mask.dtype not in (q.dtype, torch.float32):
         raise TypeError(
-            f"attn_mask must be bool or have the dtype of query ({q.dtype}), got {mask.dtype}"
+            f"attn_mask must be bool or have dtype float32 or the dtype of query ({q.dtype}), "
+            f"got {mask.dtype}"
         )
     check_same_device("attn_mask", mask, "query", q)
     target = (*q.shape[:-1], k.shape[-2])
@@ -151,9 +155,10 @@ def scaled_dot_product_attention(
 
     Args:
         query, key, value: projected, head-split tensors.
-        attn_mask: bool (True = may attend) or float in query's dtype (added to scores),
-            broadcastable to (..., L, S), any rank up to query's (a (S,) mask applies to
-            every query). A float mask holding ``+inf`` or NaN behaves as in torch: the rows
+        attn_mask: bool (True = may attend) or float (added to scores) in query's dtype or
+            float32 (as torch's SDPA: a float32 bias with bf16 / fp16 queries is added to
+            the float32 scores), broadcastable to (..., L, S), any rank up to query's (a
+            (S,) mask applies to every query). A float mask holding ``+inf`` or NaN behaves as in torch: the rows
             it touches come out NaN, on both paths, and nothing else.
         dropout_p: dropout probability on the attention weights.
         is_causal: apply a causal mask (query i sees keys j <= i), combined with
@@ -167,7 +172,7 @@ def scaled_dot_product_attention(
 
     Raises:
         TypeError: non-tensor or non-floating inputs, mismatched dtypes, a mask that is
-            neither bool nor of query's floating dtype; ``dropout_p`` or ``scale`` not a
+            neither bool nor float32 nor of query's floating dtype; ``dropout_p`` or ``scale`` not a
             number, ``is_causal`` not a bool.
         ValueError: mismatched ranks, leading dims, widths or lengths; a mask that does not
             broadcast to (..., L, S); inputs on different devices; ``dropout_p`` outside

@@ -37,6 +37,7 @@ from mmattn._checks import (
     check_mask_dtype,
     check_positive_int,
     check_rank,
+    check_same_device,
     check_tensor,
 )
 
@@ -265,7 +266,7 @@ def merge_masks(
         TypeError: a mask that is not a tensor, or neither bool nor floating (an integer
             mask); ``dtype`` is not a floating dtype.
         ValueError: a mask of the wrong rank, or whose batch (B, or B * num_heads) or key
-            length does not fit.
+            length does not fit; the two masks on different devices.
 
     Examples:
         >>> kpm = torch.tensor([[False, True]])
@@ -377,9 +378,10 @@ def _check_merge_inputs(
                 f"a 3-D attn_mask must have batch_size * num_heads = {batch_size * num_heads} "
                 f"masks, got shape {tuple(attn_mask.shape)}"
             )
-    if key_padding_mask is not None and attn_mask is not None and (
-        key_padding_mask.shape[1] != attn_mask.shape[-1]
-    ):
+    if key_padding_mask is None or attn_mask is None:
+        return
+    check_same_device("attn_mask", attn_mask, "key_padding_mask", key_padding_mask)
+    if key_padding_mask.shape[1] != attn_mask.shape[-1]:
         raise ValueError(
             f"key_padding_mask and attn_mask must have the same key length, got shapes "
             f"{tuple(key_padding_mask.shape)} and {tuple(attn_mask.shape)}"

@@ -25,6 +25,7 @@ from torch import Tensor
 from mmattn import _pytree
 from mmattn._checks import (
     check_has_data,
+    check_packed_has_data,
     check_matches_params,
     check_meta,
     check_rank,
@@ -364,10 +365,13 @@ def check_tokens(
     Raises:
         TypeError: ``value`` is not Tokens; its dtype differs from ``like``'s (outside
             autocast).
-        ValueError: its width is not ``dim``; it lives on another device than ``like``.
+        ValueError: its width is not ``dim``; it lives on another device than ``like``; it
+            is packed on the meta device (no lengths to read).
     """
     if not isinstance(value, Tokens):
         raise TypeError(f"{name} must be mmattn.Tokens, got {type(value).__name__}")
+    if value.is_packed:
+        check_packed_has_data(name, value.x)
     if dim is not None and value.dim != dim:
         raise ValueError(
             f"{name} must have width {what}={dim}, got Tokens of shape {tuple(value.x.shape)}"

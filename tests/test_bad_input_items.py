@@ -20,6 +20,7 @@ import mmattn
 from mmattn import functional as MF
 from mmattn import masks, position
 from mmattn.tokens import Tokens
+from tests._items_second_pass import ITEMS_SECOND_PASS
 from tests._matrix import (  # noqa: F401 - one_thread is a fixture
     CONFINED,
     INF,
@@ -336,6 +337,8 @@ ITEMS = [
                                          torch.ones(1, 2, 4)), id="adapter-without-parameters"),
 ]
 
+
+ITEMS += ITEMS_SECOND_PASS  # issue 22, items 6-8 (tests/_items_second_pass.py)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -55,6 +55,7 @@ from tests._matrix import (  # noqa: F401 - one_thread is a fixture
     real_rows,
 )
 from tests._matrix_decoding import cache_subjects, rotary_subjects
+from tests._matrix_packed import PACKED
 
 # --------------------------------------------------------------------------- subjects
 # New public API joins the matrix by being listed here once.
@@ -302,7 +303,8 @@ def _mask_subjects() -> list[Subject]:
         Subject(
             name="masks.padding_mask", build=lambda: partial(masks.padding_mask, max_len=6),
             inputs=lambda s: {"lengths": torch.tensor([4, 6, 0, 1])[: s["b"]]},
-            args={"lengths": Arg("b", kind="index", device=False)},
+            # a meta lengths is refused by name: the mask's length is its values' maximum
+            args={"lengths": Arg("b", kind="index")},
             out=lambda s: (s["b"], 6), batched=False, empty_ok=("b",),
             oob=(("lengths", lambda kw: torch.tensor([7, 1])),
                  ("lengths", lambda kw: torch.tensor([-1, 1]))),
@@ -315,11 +317,32 @@ def _mask_subjects() -> list[Subject]:
                 out="b l", batched=False, empty_ok=("b", "l")),
         Subject(name="masks.to_bool", build=lambda: masks.to_bool,
                 inputs=lambda s: {"mask": masks.to_additive(pad_mask(s["b"], s["l"]))},
-                args={"mask": Arg("b l", kind="mask", ranks=any_rank, device=False,
+                # a meta mask is refused by name: whether it converts depends on its values
+                args={"mask": Arg("b l", kind="mask", ranks=any_rank,
                                   bad_dtypes=(torch.bool, torch.long))},
                 out="b l", batched=False, empty_ok=("b", "l"),
                 oob=(("mask", lambda kw: torch.full((2, 3), NAN)),
                      ("mask", lambda kw: torch.full((2, 3), 1.0)))),
+        Subject(name="masks.merge_masks", build=lambda: masks.merge_masks,
+                inputs=lambda s: {"key_padding_mask": pad_mask(s["b"], s["j"]),
+                                  "attn_mask": torch.rand(s["b"] * s["h"], s["i"], s["j"]) > 0.8,
+                                  "batch_size": s["b"], "num_heads": s["h"],
+                                  "dtype": torch.float32},
+                # an integer mask is refused (as additive, 0/1 would add +1 to padded keys)
+                args={"key_padding_mask": Arg("b j", kind="mask", width="j",
+                                              bad_dtypes=(torch.int32, torch.long)),
+                      "attn_mask": Arg("n i j", kind="mask", width="j", ranks=(2,),
+                                       bad_dtypes=(torch.int32, torch.long))},
+                out=lambda s: (s["b"], s["h"], s["i"], s["j"]), batched=False,
+                empty_ok=("b", "i", "j"),
+                wrong=(("key_padding_mask", "batch", "key_padding_mask",
+                        lambda kw: kw["key_padding_mask"][:-1]),
+                       ("attn_mask", "batch-times-heads", "attn_mask",
+                        lambda kw: kw["attn_mask"][:-1]),
+                       ("key_padding_mask", "additive-long", "key_padding_mask",
+                        lambda kw: kw["key_padding_mask"].long()),
+                       ("dtype", "integer", "dtype", lambda kw: torch.long),
+                       ("num_heads", "zero", "num_heads", lambda kw: 0))),
         Subject(name="masks.expand_heads", build=lambda: partial(masks.expand_heads, num_heads=2),
                 inputs=lambda s: {"mask": torch.rand(s["b"], s["i"], s["j"]) > 0.5},
                 args={"mask": Arg("b i j", kind="mask", device=False, bad_dtypes=())},
@@ -464,7 +487,9 @@ SUBJECTS: list[Subject] = [
 ]
 
 
-MATRIX = [case for subject in SUBJECTS for case in cases(subject)]
+#: the dense subjects' cases, then packed input (jagged tensors, packed Tokens) of the same
+#: public callables (tests/_matrix_packed.py)
+MATRIX = [*(case for subject in SUBJECTS for case in cases(subject)), *PACKED]
 
 
 
@@ -485,7 +510,6 @@ NOT_IN_MATRIX = {
     "masks.causal_mask": "int arguments (tests/mmattn/test_masks.py)",
     "masks.band_mask": "int arguments (tests/mmattn/test_masks.py)",
     "masks.local_allowed": "int arguments (tests/mmattn/attention/test_local.py)",
-    "masks.merge_masks": "the modules' mask merger, reached through every attention subject",
     "masks.k_hop_edges": "integer edge lists (tests/mmattn/kernels/test_segment.py)",
     "EdgeAttention": "every call needs edge_index; its bad inputs are named cases in "
                      "tests/mmattn/attention/test_edge.py",

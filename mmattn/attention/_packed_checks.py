@@ -32,6 +32,7 @@ def check_packed(module, query, key, value, key_padding_mask) -> None:
             "padded; pass all packed (Tokens.pack()) or all padded (Tokens.unpack())"
         )
     for name, t in zip(names, tensors):
+        checks.check_packed_has_data(name, t)
         if t._ragged_idx != 1 or len(t._size) != 3:
             raise ValueError(
                 f"{name} must be a packed (batch, length*, dim) jagged tensor, got shape "
