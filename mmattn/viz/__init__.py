@@ -9,10 +9,11 @@ imported by ``import mmattn`` — use ``import mmattn.viz``. Every function draw
 ``matplotlib.figure.Figure`` (no pyplot, so no window and no global state), returns it, and
 also writes it to ``path`` when one is given (the format follows the suffix, e.g. ``.png``).
 
-Labels in Chinese, Japanese or Korean are drawn with a CJK-capable font when one is installed
-(a system font such as Noto Sans CJK or WenQuanYi, or the WenQuanYi Micro Hei font that the
-``examples`` extra installs); a character that no installed font can draw is written as its
-``\\uXXXX`` escape rather than as an empty box.
+Labels in Chinese, Japanese or Korean are drawn with any CJK-capable font installed on the
+system (Noto Sans CJK, Source Han, WenQuanYi, PingFang, Microsoft YaHei, ...; see
+``docs/debugging.md`` for how to install one); without one, a character that no installed
+font can draw is written as its ``\\uXXXX`` escape rather than as an empty box, with a
+warning once.
 """
 
 from __future__ import annotations

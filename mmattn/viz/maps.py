@@ -48,9 +48,9 @@ def attention_heatmap(
             side (both numbers named).
 
     Examples:
-        >>> fig = attention_heatmap(torch.eye(3), ["我", "爱", "你"])
+        >>> fig = attention_heatmap(torch.eye(3), ["the", "cat", "sat"])
         >>> [t.get_text() for t in fig.axes[0].get_yticklabels()]
-        ['我', '爱', '你']
+        ['the', 'cat', 'sat']
     """
     weights = _array(weights, "weights", (2,))
     i, j = weights.shape

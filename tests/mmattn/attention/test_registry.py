@@ -119,7 +119,8 @@ def test_block_errors_name_the_problem():
         TransformerBlock(D, H, attention=3)
     with pytest.raises(TypeError, match="must build an nn.Module, got str"):
         build_attention(lambda *a, **k: "no", D, H)
-    with pytest.raises(ValueError, match="already registered for MultiHeadAttention"):
+    with pytest.raises(ValueError, match="already registered for "
+                                         "mmattn.attention.mha.MultiHeadAttention"):
         register_attention("full", LocalAttention)
 
 
