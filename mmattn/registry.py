@@ -155,11 +155,14 @@ def build_attention(
     """Build the attention module named or given by ``attention``.
 
     Arguments the factory does not take, and required arguments left out, raise ValueError
-    naming them before anything is built.
+    naming them before anything is built. A factory whose signature names ``batch_first``
+    (``nn.MultiheadAttention``) gets ``batch_first=True`` unless ``attention_kwargs`` sets
+    it: blocks pass (batch, length, dim).
 
     Raises:
-        ValueError / TypeError: unknown name; bad ``attention_kwargs``; the factory did not
-            return an ``nn.Module``.
+        ValueError / TypeError: unknown name; ``attention_kwargs`` not a mapping or with
+            bad keys; the factory did not return an ``nn.Module``, or returned one with
+            ``batch_first=False``.
     """
     label, factory = resolve_attention(attention)
     kwargs = check_meta("attention_kwargs", attention_kwargs)
