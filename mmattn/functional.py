@@ -158,8 +158,8 @@ def scaled_dot_product_attention(
         attn_mask: bool (True = may attend) or float (added to scores) in query's dtype or
             float32 (as torch's SDPA: a float32 bias with bf16 / fp16 queries is added to
             the float32 scores), broadcastable to (..., L, S), any rank up to query's (a
-            (S,) mask applies to every query). A float mask holding ``+inf`` or NaN behaves as in torch: the rows
-            it touches come out NaN, on both paths, and nothing else.
+            (S,) mask applies to every query). A float mask holding ``+inf`` or NaN behaves
+            as in torch: the rows it touches come out NaN, on both paths, and nothing else.
         dropout_p: dropout probability on the attention weights.
         is_causal: apply a causal mask (query i sees keys j <= i), combined with
             ``attn_mask`` when both are given.

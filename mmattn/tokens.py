@@ -25,9 +25,9 @@ from torch import Tensor
 from mmattn import _pytree
 from mmattn._checks import (
     check_has_data,
-    check_packed_has_data,
     check_matches_params,
     check_meta,
+    check_packed_has_data,
     check_rank,
     check_same_device,
     check_shape,
