@@ -72,6 +72,20 @@ def _replace_keeps_ties() -> None:
         torch.testing.assert_close(tied[2](x)[0], want[1], rtol=1e-5, atol=1e-6)
 
 
+def _replace_keeps_timm_ties() -> None:
+    layers = pytest.importorskip("timm.layers")
+    torch.manual_seed(0)
+    a = layers.Attention(8, 2).eval()
+    tied = nn.ModuleList([a, a])
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        want = a(x)
+    assert mmattn.replace_attention(tied) == 1
+    assert tied[0] is tied[1] and type(tied[1]).__module__ == "mmattn.integrations.timm"
+    with torch.no_grad():
+        torch.testing.assert_close(tied[1](x), want, rtol=1e-5, atol=1e-6)
+
+
 def _block_with_torch_attention_keeps_samples_apart() -> None:
     torch.manual_seed(0)
     block = mmattn.TransformerBlock(8, 2, attention=nn.MultiheadAttention).eval()
@@ -217,6 +231,7 @@ ITEMS_SECOND_PASS = [
     # 6. silently wrong results
     pytest.param(RAISES, _merge_masks_integer, id="merge_masks-integer-mask"),
     pytest.param(MATCHES, _replace_keeps_ties, id="replace_attention-tied-layers"),
+    pytest.param(MATCHES, _replace_keeps_timm_ties, id="replace_attention-tied-timm-layers"),
     pytest.param(MATCHES, _block_with_torch_attention_keeps_samples_apart,
                  id="TransformerBlock-nn.MultiheadAttention-batch-first"),
     pytest.param(RAISES, _block_refuses_sequence_first_attention,

@@ -32,6 +32,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn.integrations._slots import module_slots
 from mmattn.kernels.dense import attend, explicit_reasons, report, reporting
 
 __all__ = ["Attention", "replace_timm_attention"]
@@ -353,19 +354,21 @@ def replace_timm_attention(model: nn.Module) -> int:
             "mmattn.integrations.timm.Attention.from_timm(model)"
         )
     replaced: dict[int, nn.Module] = {}
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, TimmAttention):
-                continue
-            if type(child).forward is not TimmAttention.forward:
+    skipped: set[int] = set()
+    for parent_name, parent, name, child in module_slots(model):  # every slot: ties kept
+        if not isinstance(child, TimmAttention):
+            continue
+        if type(child).forward is not TimmAttention.forward:
+            if id(child) not in skipped:
+                skipped.add(id(child))
                 path = f"{parent_name}.{name}" if parent_name else name
                 warnings.warn(
                     f"replace_attention skipped {path}: {type(child).__name__} overrides "
                     "timm.layers.Attention.forward",
                     stacklevel=2,
                 )
-                continue
-            if id(child) not in replaced:
-                replaced[id(child)] = Attention.from_timm(child)
-            setattr(parent, name, replaced[id(child)])
+            continue
+        if id(child) not in replaced:
+            replaced[id(child)] = Attention.from_timm(child)
+        setattr(parent, name, replaced[id(child)])
     return len(replaced)

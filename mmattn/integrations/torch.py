@@ -15,6 +15,7 @@ from torch import nn
 
 from mmattn._helpers import default
 from mmattn.attention.mha import MultiHeadAttention
+from mmattn.integrations._slots import module_slots
 
 __all__ = ["replace_attention"]
 
@@ -81,26 +82,22 @@ def replace_attention(
     build = default(factory, MultiHeadAttention.from_torch)
     replaced: dict[int, nn.Module] = {}
     skipped: set[int] = set()
-    for parent_name, parent in list(model.named_modules()):
-        # parent._modules, not named_children(): that skips a module met before, so the
-        # second slot of a tied ModuleList([a, a]) would keep torch's module
-        for name, child in list(parent._modules.items()):
-            if not _is_torch_attention(child, MultiHeadAttention):
-                continue
-            path = f"{parent_name}.{name}" if parent_name else name
-            if type(child).forward is not nn.MultiheadAttention.forward:
-                if id(child) in skipped:
-                    continue
+    for parent_name, parent, name, child in module_slots(model):  # every slot: ties kept
+        if not _is_torch_attention(child, MultiHeadAttention):
+            continue
+        path = f"{parent_name}.{name}" if parent_name else name
+        if type(child).forward is not nn.MultiheadAttention.forward:
+            if id(child) not in skipped:
                 skipped.add(id(child))
                 warnings.warn(
                     f"replace_attention skipped {path}: {type(child).__name__} overrides "
                     "nn.MultiheadAttention.forward",
                     stacklevel=2,
                 )
-                continue
-            if id(child) not in replaced:
-                replaced[id(child)] = _build(build, child, path, custom=factory is not None)
-            setattr(parent, name, replaced[id(child)])
+            continue
+        if id(child) not in replaced:
+            replaced[id(child)] = _build(build, child, path, custom=factory is not None)
+        setattr(parent, name, replaced[id(child)])
     count = len(replaced)
     if sys.modules.get("timm") is not None:  # a timm module exists only once timm is loaded
         from mmattn.integrations.timm import replace_timm_attention
