@@ -109,7 +109,7 @@ def _drawable(text: str) -> str:
             "escapes with the default font; install one (e.g. apt-get install "
             "fonts-noto-cjk, or pip install mplfonts && mplfonts init), see "
             "docs/debugging.md",
-            stacklevel=3,
+            stacklevel=4,  # the caller of the viz function
         )
     return "".join(
         ch if ch.isspace() or ord(ch) in covered else ch.encode("unicode_escape").decode()
