@@ -296,3 +296,20 @@ def first_param(module: torch.nn.Module) -> Tensor | None:
         if tensor.is_floating_point():
             return tensor
     return None
+
+
+def check_kernel(name: str, value: object) -> tuple[int, int]:
+    """An odd int (used twice) or a pair of odd ints >= 1: a neighbourhood kernel size."""
+    pair = check_pair(name, value, what="(rows, cols)")
+    if pair[0] % 2 == 0 or pair[1] % 2 == 0:
+        raise ValueError(f"{name} must be odd (a window centred on its query), got {value!r}")
+    return pair
+
+
+def check_grid(name: str, value: object) -> tuple[int, int]:
+    """A (rows, cols) pair of ints >= 1, as a tuple of Python ints."""
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if not isinstance(value, (tuple, list, torch.Size)) or len(value) != 2:
+        raise TypeError(f"{name} must be a (rows, cols) pair, got {value!r}")
+    return check_pair(name, tuple(int(v) for v in value), what="(rows, cols)")

@@ -1,0 +1,232 @@
+"""Tile plans of 2-D neighbourhood attention (see :mod:`mmattn.kernels.neighborhood`).
+
+Axis key: ``n`` tiles, ``s`` query slots of a tile (``th · tw``), ``t`` key slots of a tile
+(its ``(th + kh - 1) · (tw + kw - 1)`` slab of grid keys, then the item's global keys),
+``b`` items, ``g`` global tokens of an item.
+
+A plan says, for a batch of items laid out as flat rows, which rows every tile gathers as
+queries and keys and which (query, key) pairs of a tile are allowed. It depends only on the
+geometry (grids, kernel, dilation, tile shape), never on the values, so it is built once on
+the CPU with integer tensors and cached per device.
+
+With dilation d an axis splits into d subgrids ``{p : p = a mod d}``, each an ordinary
+(dilation 1) neighbourhood problem; tiles never mix subgrids. Along an axis of a subgrid of
+size m a tile of ``th`` consecutive queries needs at most ``th + k - 1`` consecutive keys
+(windows are clamped inward, so the slab never leaves the grid); the last tile of an axis is
+shifted inward to end on the border (it overlaps its neighbour; each query's result is taken
+from its first tile). Slots beyond a small grid are empty: empty query slots read a zero
+row and may attend every slot (so no row is dead), empty key slots read the zero row and
+are never allowed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Item(NamedTuple):
+    """One item's geometry in the flat rows: rows ``[offset, offset + length)``.
+
+    ``start`` is the index of its first grid token; with ``tail_global`` the tokens after the
+    grid are global, otherwise they are dead (padding: never attended, result zero). The
+    tokens before ``start`` are global.
+    """
+
+    offset: int
+    length: int
+    rows: int
+    cols: int
+    start: int
+    tail_global: bool
+
+
+class Plan(NamedTuple):
+    """Index tensors of one geometry (``z`` = the zero row = number of flat rows).
+
+    - ``q_index`` (n·s,), ``k_index`` (n·t,): flat rows the tiles gather; ``allowed``
+      (n, s, t) bool: the exact window (and global) pattern of each tile;
+    - ``gq_index`` (b', g'), ``gk_index`` (b', j') and ``gk_valid`` (b', j'): the global
+      query rows of the b' items that have any, and every key row of those items;
+    - ``pick`` (rows,): where each flat row's result lies in ``cat(tile results, global
+      results, zero)``;
+    - ``k_col`` (n, t) and ``gk_col`` (b', j'): each key slot's position inside its item
+      (``width`` for empty slots), for the dense weights;
+    - ``width``: the longest item; ``tiles``: (th, tw); ``has_dead``: some row is dead.
+    """
+
+    q_index: Tensor
+    k_index: Tensor
+    allowed: Tensor
+    gq_index: Tensor
+    gk_index: Tensor
+    gk_valid: Tensor
+    pick: Tensor
+    k_col: Tensor
+    gk_col: Tensor
+    width: int
+    tiles: tuple[int, int]
+    has_dead: bool
+
+
+def _axis(n: int, k: int, d: int, t: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Tiles of one axis: per subgrid, (query positions (m, t), key positions (m, S), allowed
+    (m, t, S)), positions on the full axis, -1 for an empty slot, ``S = t + k - 1``."""
+    slab = t + k - 1
+    out = []
+    for a in range(min(d, n)):
+        size = (n - a + d - 1) // d
+        width = min(k, size)
+        tile = min(t, size)
+        starts = list(range(0, size - tile + 1, tile))
+        if starts[-1] + tile < size:
+            starts.append(size - tile)  # the last tile ends on the border
+        first = torch.tensor(starts)
+        q_sub = first[:, None] + torch.arange(t)  # (m, t) subgrid indices
+        q_real = torch.arange(t) < tile
+        win = torch.minimum((q_sub - width // 2).clamp(min=0), torch.tensor(size - width))
+        span = min(size, tile + width - 1)
+        slab0 = win[:, 0].clamp(max=size - span)
+        k_sub = slab0[:, None] + torch.arange(slab)  # (m, S)
+        k_real = torch.arange(slab) < span
+        ok = (k_sub[:, None, :] >= win[:, :, None]) & (k_sub[:, None, :] < win[:, :, None] + width)
+        ok = torch.where(q_real[None, :, None], ok & k_real, True)
+        q_pos = torch.where(q_real, a + q_sub * d, -1)
+        k_pos = torch.where(k_real, a + k_sub * d, -1)
+        out.append((q_pos, k_pos, ok))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_tiles(
+    rows: int, cols: int, kernel: tuple[int, int], dilation: tuple[int, int],
+    tiles: tuple[int, int],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The tiles of one grid: query cells (n, s), key cells (n, t_grid), allowed (n, s, t_grid);
+    cells are row-major grid indices, -1 for an empty slot."""
+    q_cells, k_cells, oks = [], [], []
+    for rq, rk, rok in _axis(rows, kernel[0], dilation[0], tiles[0]):
+        for cq, ck, cok in _axis(cols, kernel[1], dilation[1], tiles[1]):
+            q = rq[:, None, :, None] * cols + cq[None, :, None, :]
+            q = torch.where((rq[:, None, :, None] < 0) | (cq[None, :, None, :] < 0), -1, q)
+            k = rk[:, None, :, None] * cols + ck[None, :, None, :]
+            k = torch.where((rk[:, None, :, None] < 0) | (ck[None, :, None, :] < 0), -1, k)
+            ok = rok[:, None, :, None, :, None] & cok[None, :, None, :, None, :]
+            n = q.shape[0] * q.shape[1]
+            q_cells.append(q.reshape(n, -1))
+            k_cells.append(k.reshape(n, -1))
+            oks.append(ok.reshape(n, q_cells[-1].shape[1], k_cells[-1].shape[1]))
+    return torch.cat(q_cells), torch.cat(k_cells), torch.cat(oks)
+
+
+def _globals(item: Item) -> Tensor:
+    """Positions (inside the item) of its global tokens."""
+    before = torch.arange(item.start)
+    if not item.tail_global:
+        return before
+    return torch.cat([before, torch.arange(item.start + item.rows * item.cols, item.length)])
+
+
+def _live_length(item: Item) -> int:
+    """Tokens of the item that are not dead: every one with ``tail_global``."""
+    return item.length if item.tail_global else item.start + item.rows * item.cols
+
+
+#: Candidate tile sides.
+TILE_CHOICES = (4, 6, 8, 12, 16)
+
+
+def build_plan(
+    total: int,
+    items: tuple[Item, ...],
+    kernel: tuple[int, int],
+    dilation: tuple[int, int],
+    tiles: tuple[int, int],
+    device: torch.device,
+) -> Plan:
+    """The plan of ``items`` in ``total`` flat rows (see :class:`Plan`); cached."""
+    return _build_plan(total, items, kernel, dilation, tiles, str(device))
+
+
+@functools.lru_cache(maxsize=32)
+def _build_plan(
+    total: int, items: tuple[Item, ...], kernel: tuple[int, int], dilation: tuple[int, int],
+    tiles: tuple[int, int], device: str,
+) -> Plan:
+    zero = total
+    width = max((item.length for item in items), default=0)
+    globs = [_globals(item) for item in items]
+    g_max = max((len(g) for g in globs), default=0)
+    q_idx, k_idx, k_cols, oks = [], [], [], []
+    gq, gk, gk_cols, gk_valid = [], [], [], []
+    pick = torch.full((zero,), -1, dtype=torch.long)
+    n_tiles = 0
+    slots = tiles[0] * tiles[1]
+    tile_picks = []
+    glob_items = 0
+    for item, glob in zip(items, globs):
+        q_cells, k_cells, ok = _grid_tiles(item.rows, item.cols, kernel, dilation, tiles)
+        n = q_cells.shape[0]
+        q_rel = torch.where(q_cells >= 0, item.start + q_cells, -1)
+        k_rel = torch.where(k_cells >= 0, item.start + k_cells, -1)
+        pad = g_max - len(glob)
+        k_rel = torch.cat(
+            [k_rel, glob.expand(n, -1), torch.full((n, pad), -1, dtype=torch.long)], dim=1
+        )
+        g_ok = torch.ones(n, slots, len(glob), dtype=torch.bool)
+        ok = torch.cat([ok, g_ok, torch.zeros(n, slots, pad, dtype=torch.bool)], dim=2)
+        q_idx.append(torch.where(q_rel >= 0, item.offset + q_rel, zero).flatten())
+        k_idx.append(torch.where(k_rel >= 0, item.offset + k_rel, zero).flatten())
+        k_cols.append(torch.where(k_rel >= 0, k_rel, width))
+        oks.append(ok)
+        # Each grid row's result comes from its first tile slot.
+        flat = q_rel.flatten()
+        real = flat >= 0
+        slot = torch.arange(flat.numel()) + n_tiles * slots
+        first = torch.full((item.length,), slot.numel() + n_tiles * slots, dtype=torch.long)
+        first = first.scatter_reduce(0, flat[real], slot[real], reduce="amin")
+        cells = item.start + torch.arange(item.rows * item.cols)
+        tile_picks.append((item.offset + cells, first[cells]))
+        n_tiles += n
+        if len(glob):
+            live = _live_length(item)
+            gq.append(torch.cat([item.offset + glob, torch.full((g_max - len(glob),), zero)]))
+            gk.append(item.offset + torch.arange(live))
+            gk_cols.append(torch.arange(live))
+            glob_items += 1
+    for rows_, slot in tile_picks:
+        pick[rows_] = slot
+    tile_total = n_tiles * slots
+    # Global rows read the global results, dead rows the zero after everything.
+    j_max = max((len(g) for g in gk), default=0)
+    slot = 0
+    for item, glob in zip(items, globs):
+        if len(glob):
+            pick[item.offset + glob] = tile_total + slot * g_max + torch.arange(len(glob))
+            slot += 1
+    dead = pick < 0
+    pick[dead] = tile_total + glob_items * g_max
+    gk_index = torch.full((glob_items, j_max), zero, dtype=torch.long)
+    gk_col = torch.full((glob_items, j_max), width, dtype=torch.long)
+    for m, (rows_, cols) in enumerate(zip(gk, gk_cols)):
+        gk_index[m, : len(rows_)] = rows_
+        gk_col[m, : len(cols)] = cols
+    to = functools.partial(torch.Tensor.to, device=torch.device(device))
+    cat = (lambda parts, shape: torch.cat(parts) if parts else torch.zeros(shape, dtype=torch.long))
+    return Plan(
+        q_index=to(cat(q_idx, (0,))),
+        k_index=to(cat(k_idx, (0,))),
+        allowed=to(torch.cat(oks) if oks else torch.zeros(0, slots, 0, dtype=torch.bool)),
+        gq_index=to(torch.stack(gq) if gq else torch.zeros(0, 0, dtype=torch.long)),
+        gk_index=to(gk_index),
+        gk_valid=to(gk_col < width),
+        pick=to(pick),
+        k_col=to(cat(k_cols, (0, 0))),
+        gk_col=to(gk_col),
+        width=width,
+        tiles=tiles,
+        has_dead=bool(dead.any()),
+    )
