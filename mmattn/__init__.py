@@ -7,6 +7,7 @@ from mmattn.attention.edge import EdgeAttention
 from mmattn.attention.linformer import LinformerAttention
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
+from mmattn.attention.neighborhood import NeighborhoodAttention
 from mmattn.blocks.fusion import MultiModalEncoder
 from mmattn.blocks.pooling import AttentionPool, MaskedPool, masked_max, masked_mean
 from mmattn.blocks.transformer import CrossAttentionBlock, Encoder, TransformerBlock
@@ -28,6 +29,7 @@ __all__ = [
     "MaskedPool",
     "MultiHeadAttention",
     "MultiModalEncoder",
+    "NeighborhoodAttention",
     "Tokens",
     "TransformerBlock",
     "available_attention",

@@ -31,13 +31,13 @@ from torch import Tensor
 
 from mmattn._checks import (
     check_bool,
-    check_grid,
-    check_kernel,
-    check_pair,
     check_dtype,
     check_has_data,
+    check_grid,
     check_integer_dtype,
+    check_kernel,
     check_mask_dtype,
+    check_pair,
     check_positive_int,
     check_rank,
     check_same_device,

@@ -12,9 +12,11 @@ and the module they return is called like :class:`~mmattn.MultiHeadAttention`:
 
 Built in: ``"full"`` (:class:`~mmattn.MultiHeadAttention`), ``"local"``
 (:class:`~mmattn.LocalAttention`, needs ``window_size``), ``"additive"``
-(:class:`~mmattn.AdditiveAttention`) and ``"linformer"``
-(:class:`~mmattn.LinformerAttention`, needs ``seq_len`` and ``proj_len``) and ``"edge"``
-(:class:`~mmattn.EdgeAttention`, takes ``edge_index`` from ``Tokens.meta``). Register your own
+(:class:`~mmattn.AdditiveAttention`), ``"linformer"``
+(:class:`~mmattn.LinformerAttention`, needs ``seq_len`` and ``proj_len``), ``"edge"``
+(:class:`~mmattn.EdgeAttention`, takes ``edge_index`` from ``Tokens.meta``) and
+``"neighborhood"`` (:class:`~mmattn.NeighborhoodAttention`, needs ``kernel_size``; blocks
+hand it the image grid from ``Tokens.meta``). Register your own
 with :func:`register_attention`.
 """
 
@@ -32,6 +34,7 @@ from mmattn.attention.edge import EdgeAttention
 from mmattn.attention.linformer import LinformerAttention
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
+from mmattn.attention.neighborhood import NeighborhoodAttention
 
 __all__ = ["AttentionSpec", "available_attention", "build_attention", "register_attention"]
 
@@ -46,6 +49,7 @@ _REGISTRY: dict[str, Factory] = {
     "additive": AdditiveAttention,
     "linformer": LinformerAttention,
     "edge": EdgeAttention,
+    "neighborhood": NeighborhoodAttention,
 }
 
 

@@ -4,7 +4,7 @@
   layer subclasses;
 - :mod:`~mmattn.attention.cross`, :mod:`~mmattn.attention.local`,
   :mod:`~mmattn.attention.additive`, :mod:`~mmattn.attention.linformer`,
-  :mod:`~mmattn.attention.edge` — the variants.
+  :mod:`~mmattn.attention.edge`, :mod:`~mmattn.attention.neighborhood` — the variants.
 
 Layers call the parameter-free kernels in :mod:`mmattn.kernels`; nothing here imports
 :mod:`mmattn.blocks`. The private helpers beside them (``_interop``, ``_packed``, ...) are
@@ -17,6 +17,7 @@ from mmattn.attention.edge import EdgeAttention
 from mmattn.attention.linformer import LinformerAttention
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
+from mmattn.attention.neighborhood import NeighborhoodAttention
 
 __all__ = [
     "AdditiveAttention",
@@ -25,4 +26,5 @@ __all__ = [
     "LinformerAttention",
     "LocalAttention",
     "MultiHeadAttention",
+    "NeighborhoodAttention",
 ]

@@ -161,7 +161,7 @@ def _build_plan(
     globs = [_globals(item) for item in items]
     g_max = max((len(g) for g in globs), default=0)
     q_idx, k_idx, k_cols, oks = [], [], [], []
-    gq, gk, gk_cols, gk_valid = [], [], [], []
+    gq, gk, gk_cols = [], [], []
     pick = torch.full((zero,), -1, dtype=torch.long)
     n_tiles = 0
     slots = tiles[0] * tiles[1]
@@ -215,7 +215,10 @@ def _build_plan(
         gk_index[m, : len(rows_)] = rows_
         gk_col[m, : len(cols)] = cols
     to = functools.partial(torch.Tensor.to, device=torch.device(device))
-    cat = (lambda parts, shape: torch.cat(parts) if parts else torch.zeros(shape, dtype=torch.long))
+
+    def cat(parts: list[Tensor], shape: tuple[int, ...]) -> Tensor:
+        return torch.cat(parts) if parts else torch.zeros(shape, dtype=torch.long)
+
     return Plan(
         q_index=to(cat(q_idx, (0,))),
         k_index=to(cat(k_idx, (0,))),

@@ -1,4 +1,4 @@
-"""Tiled 2-D neighbourhood attention: the O(L·k²) kernel behind :class:`mmattn.NeighborhoodAttention`.
+"""Tiled 2-D neighbourhood attention, the O(L·k²) kernel of :class:`mmattn.NeighborhoodAttention`.
 
 Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``l`` tokens of an item,
 ``e`` head width, ``r`` flat rows (every item's tokens one after the other), ``n`` tiles,
@@ -179,7 +179,9 @@ def neighborhood_rows(
     qt = rearrange(qz.index_select(0, plan.q_index), "(n s) h e -> n h s e", n=n)
     kt = rearrange(kz.index_select(0, plan.k_index), "(n t) k e -> n k t e", n=n)
     vt = rearrange(vz.index_select(0, plan.k_index), "(n t) k e -> n k t e", n=n)
-    km_t = None if km is None else rearrange(km.index_select(0, plan.k_index), "(n t) -> n 1 t", n=n)
+    km_t = None
+    if km is not None:
+        km_t = rearrange(km.index_select(0, plan.k_index), "(n t) -> n 1 t", n=n)
     mask = rearrange(_key_mask(plan.allowed, km_t), "n s t -> n 1 s t")
     if km is None and not need_weights and _kernel.use_fused_attn():
         # No key mask: every real query sees itself, every empty slot sees all; no dead row.

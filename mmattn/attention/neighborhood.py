@@ -1,0 +1,351 @@
+"""2-D neighbourhood attention for images: each patch attends a k × k window, O(L·k²).
+
+Axis key: ``b`` batch, ``h`` heads, ``k`` key/value heads, ``i`` query length, ``j`` key
+length, ``d`` model width, ``e`` head width (``d = h * e``), ``t`` packed rows.
+
+The module shares projections, layout handling and the forward contract with
+:class:`mmattn.MultiHeadAttention`; only the kernel differs: :mod:`mmattn.kernels.neighborhood`
+tiles the grid and runs every tile against its halo of keys in one batched attention call,
+so no (L, L) score matrix is built, forward or backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from mmattn import _checks as checks
+from mmattn._helpers import default
+from mmattn.attention._neighborhood_geometry import check_geometry, dense_allowed, grid_from_meta
+from mmattn.attention._packed_checks import check_packed, check_values
+from mmattn.attention.mha import MultiHeadAttention
+from mmattn.kernels._neighborhood_plan import build_plan
+from mmattn.kernels.dense import attend
+from mmattn.kernels.neighborhood import (
+    choose_tiles,
+    neighborhood_attend,
+    neighborhood_rows,
+    packed_items,
+)
+from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
+
+__all__ = ["NeighborhoodAttention"]
+
+Grid = tuple[int, int]
+
+
+class NeighborhoodAttention(MultiHeadAttention):
+    r"""Multi-head 2-D neighbourhood attention (NAT / DiNAT; NATTEN's ``na2d``) on image patches.
+
+    .. math::
+        \mathrm{out}_{(r,c)} = \sum_{(r',c') \in N_k(r,c)} \mathrm{softmax}\!\left(
+            \frac{q_{(r,c)} k_{(r',c')}^\top}{\sqrt{e}}\right) v_{(r',c')}
+
+    Tokens are the row-major patches of a ``grid = (rows, cols)`` (as ``ImagePatcher`` makes
+    them), after ``num_global_tokens`` global tokens. Along an axis of n positions with
+    dilation d, position p belongs to the subgrid {q : q = p mod d} of size m; its window is
+    min(k, m) consecutive subgrid positions centred on p and shifted inward at the borders,
+    so every query sees the same number of keys; a patch attends the product of its row and
+    column windows. Global tokens (class / register tokens) attend every token and every
+    token attends them. Exactly :class:`MultiHeadAttention` with the same weights and
+    ``attn_mask=~masks.neighborhood_mask(grid, kernel_size, dilation=..., num_global_tokens=...)``,
+    in O(L·k²) time and memory, forward and backward.
+
+    ``grid`` may be a list of per-item grids: in a padded batch item b's grid covers its
+    first ``g + rows_b · cols_b`` tokens and the rest of the item is padding; packed
+    (jagged) input takes one grid per item (NaViT). Every item behaves exactly as if it
+    were alone. ``grid_start`` places the grid inside a longer sequence (fused modalities):
+    every token outside the grid is then global. Blocks read all of this from
+    ``Tokens.meta`` (:meth:`geometry`).
+
+    Key padding is respected; a query whose window holds no real key gets a zero attention
+    result (never NaN). ``need_weights=True`` returns the dense (L, L) map (O(L²) memory,
+    from the explicit path, on request only). An extra ``attn_mask`` is honoured by a dense
+    O(L²) fallback (window AND attn_mask). ``MMATTN_FUSED_ATTN=0`` switches the tiles from
+    ``F.scaled_dot_product_attention`` to the explicit softmax twin.
+
+    Args:
+        embed_dim: model width D.
+        num_heads: number of heads H; must divide ``embed_dim``.
+        kernel_size: odd k, or (kh, kw): the window's rows and columns.
+        dropout: dropout probability on the attention weights (training only).
+        bias: add biases to the four projections.
+        dilation: d >= 1, or (dh, dw) (DiNAT's dilated windows).
+        num_global_tokens: g >= 0 tokens before the grid that attend and are attended by all.
+        kdim, vdim: key and value widths (default ``embed_dim``).
+        batch_first: inputs are (B, L, D) when True, (L, B, D) when False.
+        device, dtype: factory arguments for the parameters.
+        num_kv_heads: key/value heads (grouped-query attention), as :class:`MultiHeadAttention`.
+        position: applied to q and k after the head split (e.g. ``"rotary"``), positions
+            counted along each item's token order from 0.
+
+    Shape:
+        - query: (B, L, D) or (L, D), or packed (B, L*, D); key, value: the same lengths
+        - grid: (rows, cols), or a list of B pairs; grid_start: int or a list of B ints
+        - key_padding_mask: (B, L) bool (True = padding) or float (added)
+        - attn_mask: (L, L) or (B * H, L, L), module direction (dense fallback)
+        - returns: (B, L, D), and weights (B, L, L) or (B, H, L, L) when ``need_weights``
+          (a list of per-item maps for packed input)
+
+    Raises:
+        TypeError: ``kernel_size`` or ``dilation`` is not an int or a pair of ints.
+        ValueError: an even kernel, a kernel or dilation < 1, ``num_global_tokens`` < 0; in
+            ``forward``: no ``grid``, a grid whose rows · cols does not match the tokens, a
+            grid list of the wrong length, ``is_causal=True``, key and query lengths that
+            differ, plus every check of :class:`MultiHeadAttention`.
+
+    Examples:
+        >>> attn = NeighborhoodAttention(embed_dim=16, num_heads=4, kernel_size=3)
+        >>> x = torch.randn(2, 6 * 5, 16)
+        >>> out, weights = attn(x, need_weights=True, grid=(6, 5))
+        >>> out.shape, weights.shape, int((weights[0, 0] > 0).sum())
+        (torch.Size([2, 30, 16]), torch.Size([2, 30, 30]), 9)
+    """
+
+    no_torch_twin = (
+        "nn.MultiheadAttention has no windows; MultiHeadAttention(...).load_state_dict("
+        "nbhd.state_dict()) with ~masks.neighborhood_mask(grid, kernel_size) as attn_mask "
+        "computes the same, and its to_torch() works"
+    )
+    cache_kinds = ()
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        kernel_size: int | tuple[int, int],
+        dropout: float = 0.0,
+        bias: bool = True,
+        *,
+        dilation: int | tuple[int, int] = 1,
+        num_global_tokens: int = 0,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        num_kv_heads: int | None = None,
+        position: nn.Module | Callable[..., Tensor] | str | None = None,
+    ) -> None:
+        self.kernel_size = checks.check_kernel("kernel_size", kernel_size)
+        self.dilation = checks.check_pair("dilation", dilation, what="(rows, cols)")
+        self.num_global_tokens = checks.check_positive_int(
+            "num_global_tokens", num_global_tokens, minimum=0
+        )
+        super().__init__(
+            embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
+            batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,
+            position=position,
+        )
+        self._call_geometry: tuple[Any, Any] | None = None
+
+    def extra_repr(self) -> str:
+        parts = [super().extra_repr(), f"kernel_size={self.kernel_size}"]
+        if self.dilation != (1, 1):
+            parts.append(f"dilation={self.dilation}")
+        if self.num_global_tokens:
+            parts.append(f"num_global_tokens={self.num_global_tokens}")
+        return ", ".join(parts)
+
+    def geometry(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"grid": ...}`` from ``meta["grid"]`` / ``meta["grids"]`` (ImagePatcher sets
+        them); inside Tokens fused by MultiModalEncoder also ``"grid_start"``: the image
+        span's start, so the other modalities' tokens are global.
+
+        Raises:
+            ValueError: ``meta`` has no grid (the message names the key and its adapter).
+        """
+        return grid_from_meta(meta)
+
+    def make_cache(self, *args: Any, **kwargs: Any) -> None:
+        """Not available: a 2-D window has no step-by-step decoding order."""
+        raise ValueError(
+            "NeighborhoodAttention has no cache: a 2-D window sees patches below and right of "
+            "the query, so images cannot be decoded token by token"
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        grid: Grid | Sequence[Grid] | None = None,
+        grid_start: int | Sequence[int] | None = None,
+    ) -> tuple[Tensor, Tensor | list[Tensor] | None]:
+        """Attend each patch's window; see the class docstring for shapes.
+
+        ``grid`` is required (keyword-only); ``grid_start`` (default ``num_global_tokens``)
+        is the index of the grid's first token, and with it every other token is global.
+        """
+        _check_not_causal(is_causal)
+        if is_jagged(query) or is_jagged(key) or is_jagged(value):
+            key = default(key, query)
+            value = default(value, key)
+            check_packed(self, query, key, value, key_padding_mask)
+            qv, q_off = contiguous_parts(query)
+            kv, k_off = (qv, q_off) if key is query else contiguous_parts(key)
+            vv, _ = (kv, k_off) if value is key else contiguous_parts(value)
+            out, weights = self._rows(
+                qv, q_off, kv, k_off, vv, grid, grid_start, attn_mask, need_weights,
+                average_attn_weights,
+            )
+            return jagged(out, q_off), weights
+        self._call_geometry = (grid, grid_start)
+        try:
+            return super().forward(
+                query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, False,
+            )
+        finally:
+            self._call_geometry = None
+
+    def attend_rows(
+        self,
+        qv: Tensor,
+        q_off: Tensor,
+        kv: Tensor,
+        k_off: Tensor,
+        vv: Tensor,
+        *,
+        self_attention: bool = False,
+        grid: Grid | Sequence[Grid] | None = None,
+        grid_start: int | Sequence[int] | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        """Packed attention on the rows of a jagged batch: one grid per item (NaViT).
+
+        Shape:
+            - qv: (t, embed_dim); kv: (t, kdim); vv: (t, vdim); offsets (b + 1,)
+            - returns: (t, embed_dim)
+        """
+        _check_not_causal(is_causal)
+        out, _ = self._rows(qv, q_off, kv, k_off, vv, grid, grid_start, attn_mask, False, True)
+        return out
+
+    def _rows(
+        self, qv: Tensor, q_off: Tensor, kv: Tensor, k_off: Tensor, vv: Tensor, grid: Any,
+        grid_start: Any, attn_mask: Tensor | None, need_weights: bool, average: bool,
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        """The packed forward on (t, d) rows; each item alone on its own grid."""
+        check_values(self, qv, kv, vv)
+        if attn_mask is not None:
+            raise ValueError(
+                "attn_mask must be None for packed input to NeighborhoodAttention: the window "
+                "is the mask; unpack the Tokens to add a dense attn_mask"
+            )
+        lengths = q_off.diff().tolist()
+        if k_off is not q_off and k_off.diff().tolist() != lengths:
+            raise ValueError(
+                f"NeighborhoodAttention needs key of the same length as query for every item, "
+                f"got query lengths {lengths} and key lengths {k_off.diff().tolist()}"
+            )
+        grid, grid_start = check_geometry(
+            grid, grid_start, lengths, self.num_global_tokens, packed=True
+        )
+        items = packed_items(
+            lengths, grid, num_global_tokens=self.num_global_tokens, grid_start=grid_start
+        )
+        q = rearrange(self.q_proj(qv), "t (h e) -> t h e", h=self.num_heads)
+        k = rearrange(self.k_proj(kv), "t (k e) -> t k e", k=self.num_kv_heads)
+        v = rearrange(self.v_proj(vv), "t (k e) -> t k e", k=self.num_kv_heads)
+        if self.position is not None:
+            q, k = (_rows_position(self.position, t, lengths) for t in (q, k))
+        out = weights = None
+        if items:
+            tiles = choose_tiles(items, self.kernel_size, self.dilation)
+            plan = build_plan(
+                qv.shape[0], items, self.kernel_size, self.dilation, tiles, qv.device
+            )
+            out, weights = neighborhood_rows(
+                q, k, v, plan, dropout_p=self.dropout if self.training else 0.0,
+                need_weights=need_weights,
+            )
+        else:
+            out = q.new_zeros(0, self.num_heads, self.head_dim)
+        out = self.out_proj(rearrange(out, "t h e -> t (h e)"))
+        if not need_weights:
+            return out, None
+        maps = []
+        for m, length in enumerate(lengths):
+            start = int(q_off[m])
+            item = rearrange(weights[start:start + length, :, :length], "i h j -> h i j")
+            maps.append(item.mean(dim=0) if average else item)
+        return out, maps
+
+    def _check_inputs(
+        self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+    ) -> bool:
+        batched = super()._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        seq_dim = 1 if batched and self.batch_first else 0
+        length = query.shape[seq_dim]
+        if key.shape[seq_dim] != length:
+            raise ValueError(
+                f"NeighborhoodAttention needs key of the same length as query ({length}), got "
+                f"key {tuple(key.shape)} and query {tuple(query.shape)}"
+            )
+        batch = query.shape[1 - seq_dim] if batched else 1
+        grid, grid_start = self._call_geometry or (None, None)
+        self._call_geometry = check_geometry(
+            grid, grid_start, [length] * batch, self.num_global_tokens, packed=False
+        )
+        return batched
+
+    def _attention(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool,
+        dropout_p: float, need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        grid, grid_start = self._call_geometry
+        key_mask = None
+        if mask is not None:
+            if mask.shape[-2] != 1 or mask.shape[-3] != 1:  # an attn_mask: dense fallback
+                allowed = dense_allowed(
+                    grid, grid_start, q.shape[0], q.shape[2], self.kernel_size, self.dilation,
+                    self.num_global_tokens, q.device,
+                )
+                if mask.dtype == torch.bool:
+                    mask = mask & allowed
+                else:
+                    mask = torch.where(allowed, mask, float("-inf"))
+                return attend(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+            key_mask = mask[:, 0, 0]  # only key padding: (b, j), True = real key
+        return neighborhood_attend(
+            q, k, v, grid, self.kernel_size, dilation=self.dilation,
+            num_global_tokens=self.num_global_tokens, grid_start=grid_start,
+            key_mask=key_mask, dropout_p=dropout_p, need_weights=need_weights,
+        )
+
+
+def _check_not_causal(is_causal: bool) -> None:
+    if is_causal:
+        raise ValueError(
+            "is_causal=True is not supported by NeighborhoodAttention: a 2-D window has no "
+            "causal order; use LocalAttention(causal=True) for sequences"
+        )
+
+
+def _rows_position(position: Callable[..., Tensor], x: Tensor, lengths: list[int]) -> Tensor:
+    """``position(x, 0)`` on each item of packed rows (t, h, e), positions from 0 per item."""
+    if not lengths:
+        return x
+    longest = max(lengths)
+    offsets = torch.tensor([0, *lengths], device=x.device).cumsum(0)[:-1]
+    slot = torch.arange(longest, device=x.device)
+    real = slot[None, :] < torch.tensor(lengths, device=x.device)[:, None]  # (b, l)
+    index = torch.where(real, offsets[:, None] + slot[None, :], x.shape[0])
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]  # (b, l, h, e)
+    moved = rearrange(position(rearrange(padded, "b l h e -> b h l e"), 0), "b h l e -> b l h e")
+    return moved[real]
