@@ -33,19 +33,28 @@ class TemperedAttention(MultiHeadAttention):
         )
 
 
+class GriddedNeighborhood(mmattn.NeighborhoodAttention):
+    """NeighborhoodAttention on the contract's L tokens, laid out as a (2, L // 2) grid."""
+
+    def forward(self, *args, grid=(2, L // 2), **kwargs):
+        return super().forward(*args, grid=grid, **kwargs)
+
+
 def attention_classes() -> list[type]:
     """Every attention class mmattn exports, plus the test-defined variant."""
     exported = [getattr(mmattn, name) for name in mmattn.__all__]
     found = [c for c in exported if isinstance(c, type) and issubclass(c, MultiHeadAttention)
              # layers that need geometry (edges, grids) have the same checks in their own
-             # test files, with the geometry they need
+             # test files, with the geometry they need; NeighborhoodAttention runs here on a
+             # fixed grid too
              and c.geometry is MultiHeadAttention.geometry]
+    found.append(GriddedNeighborhood)
     return [*found, TemperedAttention]
 
 
 #: Example values for required constructor arguments, by argument name. A new class with a
 #: required argument not listed here fails test_every_class_is_constructible.
-EXAMPLE_ARGS = {"window_size": 3, "seq_len": 16, "proj_len": 6}
+EXAMPLE_ARGS = {"window_size": 3, "seq_len": 16, "proj_len": 6, "kernel_size": 3}
 
 
 def _required(cls: type) -> dict:

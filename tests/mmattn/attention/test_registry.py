@@ -25,7 +25,13 @@ from mmattn.registry import available_attention, build_attention, register_atten
 D, H, L = 16, 4, 9
 
 #: Arguments each built-in name needs; a variant registered by a test needs none.
-NEEDS = {"local": {"window_size": 2}, "linformer": {"seq_len": 12, "proj_len": 4}}
+NEEDS = {
+    "local": {"window_size": 2},
+    "linformer": {"seq_len": 12, "proj_len": 4},
+    "neighborhood": {"kernel_size": 3},
+}
+#: Variants without a causal order (the causal test skips them; each raises instead).
+NOT_CAUSAL = ("linformer", "edge", "neighborhood")
 
 
 class Scaled(MultiHeadAttention):
@@ -44,9 +50,10 @@ register_attention("test-scaled", Scaled)
 def _tokens(batch=2, length=L):
     mask = torch.ones(batch, length, dtype=torch.bool)
     mask[0, 6:] = False
-    # a path through each item's tokens, in the flat order b * L + i (for "edge")
+    # a path through each item's tokens, in the flat order b * L + i (for "edge"), and a
+    # (1, L) grid (for "neighborhood")
     rows = torch.arange(batch * length).view(batch, length)[:, :-1].reshape(-1)
-    meta = {"edge_index": torch.stack([rows, rows + 1])}
+    meta = {"edge_index": torch.stack([rows, rows + 1]), "grid": (1, length)}
     return Tokens(torch.randn(batch, length, D), mask, meta)
 
 
@@ -68,8 +75,7 @@ def test_every_variant_by_name_trains(name):
 
 
 # EdgeAttention takes no is_causal: its edges are the mask (keep edges with source <= target)
-@pytest.mark.parametrize("name", [n for n in available_attention()
-                                  if n not in ("linformer", "edge")])
+@pytest.mark.parametrize("name", [n for n in available_attention() if n not in NOT_CAUSAL])
 def test_causal_means_the_same_for_every_variant(name):
     block = TransformerBlock(D, H, attention=name, causal=True, attention_kwargs=NEEDS.get(name))
     x = torch.randn(1, L, D)
