@@ -107,7 +107,7 @@ def check_geometry(
     for m, ((rows, cols), start, length) in enumerate(zip(grids, starts, lengths)):
         need = start + rows * cols
         if (exact and need != length) or need > length:
-            item = f" of item {m}" if count > 1 else ""
+            item = f" of item {m}" if isinstance(out, list) else ""
             where = (
                 f"{num_global_tokens} global tokens + " if grid_start is None
                 else f"grid_start {start} + "

@@ -1,0 +1,259 @@
+"""kernels.neighborhood and masks.neighborhood_mask against independent references.
+
+The mask is held to a naive loop over NATTEN's definition (subgrids, clamped windows) and to
+``natten.functional.na2d`` where natten runs; the kernel is held to the dense kernel
+(``kernels.dense.attend``) with that mask, for outputs, weights and gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from mmattn.functional import fused_attn
+from mmattn.kernels._neighborhood_plan import build_plan
+from mmattn.kernels.dense import attend
+from mmattn.kernels.neighborhood import (
+    choose_tiles,
+    neighborhood_attend,
+    neighborhood_rows,
+    packed_items,
+    padded_items,
+)
+from mmattn.masks import neighborhood_mask
+
+
+def naive_window(n: int, k: int, d: int, p: int) -> set[int]:
+    """NATTEN's window of position p on an axis of n: min(k, m) subgrid neighbours, clamped."""
+    sub = [q for q in range(n) if q % d == p % d]
+    width = min(k, len(sub))
+    i = sub.index(p)
+    start = min(max(i - width // 2, 0), len(sub) - width)
+    return set(sub[start:start + width])
+
+
+def naive_mask(grid, kernel, dilation, glob=0) -> torch.Tensor:
+    (rows, cols), (kh, kw), (dh, dw) = grid, kernel, dilation
+    length = glob + rows * cols
+    out = torch.ones(length, length, dtype=torch.bool)
+    for r, c, r2, c2 in itertools.product(range(rows), range(cols), range(rows), range(cols)):
+        ok = r2 in naive_window(rows, kh, dh, r) and c2 in naive_window(cols, kw, dw, c)
+        out[glob + r * cols + c, glob + r2 * cols + c2] = ok
+    return out
+
+
+MASK_CASES = [
+    ((5, 6), (3, 3), (1, 1), 0),
+    ((7, 4), (5, 3), (2, 1), 1),
+    ((3, 2), (7, 7), (1, 1), 0),  # grid smaller than the kernel: whole axes
+    ((9, 8), (3, 5), (3, 2), 2),  # subgrids of different sizes
+    ((4, 9), (9, 3), (2, 3), 0),  # subgrids smaller than the kernel
+    ((1, 1), (3, 3), (1, 1), 1),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=str)
+def test_mask_matches_naive_definition(case):
+    grid, kernel, dilation, glob = case
+    got = neighborhood_mask(grid, kernel, dilation=dilation, num_global_tokens=glob)
+    assert torch.equal(got, naive_mask(grid, kernel, dilation, glob))
+
+
+def test_every_query_sees_the_same_number_of_keys():
+    allowed = neighborhood_mask((11, 13), 5, dilation=2)
+    counts = allowed.sum(-1)
+    assert (counts == 25).all()
+
+
+NATTEN_CASES = [
+    # (rows, cols, kernel, dilation): every odd kernel 3-9, dilation 1-3, rectangles
+    (9, 10, 3, 1),
+    (11, 9, 5, 1),
+    (12, 13, 7, 1),
+    (9, 11, 9, 1),
+    (10, 13, 3, 2),
+    (14, 11, 5, 2),
+    (22, 21, 7, 3),
+    (12, 14, (3, 5), (2, 1)),
+]
+
+
+def test_mask_matches_natten_forward():
+    natten = pytest.importorskip("natten")
+    from natten.functional import na2d
+
+    del natten
+    for rows, cols, kernel, dilation in NATTEN_CASES:
+        q, k, v = (torch.randn(1, rows, cols, 2, 8) for _ in range(3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = na2d(q, k, v, kernel, dilation=dilation)  # (b, rows, cols, heads, e)
+        flat = [t.reshape(1, rows * cols, 2, 8).transpose(1, 2) for t in (q, k, v)]
+        pair = kernel if isinstance(kernel, tuple) else (kernel, kernel)
+        dil = dilation if isinstance(dilation, tuple) else (dilation, dilation)
+        out, _ = neighborhood_attend(*flat, (rows, cols), pair, dilation=dil)
+        got = out.transpose(1, 2).reshape(want.shape)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _qkv(batch, heads, kv_heads, length, e=8, dtype=torch.float32, device="cpu"):
+    make = lambda h: torch.randn(batch, h, length, e, dtype=dtype, device=device,  # noqa: E731
+                                 requires_grad=True)
+    return make(heads), make(kv_heads), make(kv_heads)
+
+
+KERNEL_CASES = [
+    # (grid, kernel, dilation, global tokens, tiles)
+    ((9, 11), (3, 3), (1, 1), 0, None),
+    ((10, 13), (5, 5), (2, 2), 0, (4, 4)),
+    ((5, 4), (7, 7), (1, 1), 2, None),  # grid smaller than the kernel
+    ((22, 21), (7, 7), (3, 3), 1, (6, 4)),
+    ((3, 17), (3, 5), (2, 1), 0, (4, 8)),  # tiles larger than a subgrid
+    ((16, 16), (7, 7), (1, 1), 3, (8, 8)),
+]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_kernel_equals_dense_attention(case, fused):
+    grid, kernel, dilation, glob, tiles = case
+    length = glob + grid[0] * grid[1]
+    q, k, v = _qkv(2, 4, 2, length)
+    allowed = neighborhood_mask(grid, kernel, dilation=dilation, num_global_tokens=glob)
+    with fused_attn(fused):
+        out, _ = neighborhood_attend(
+            q, k, v, grid, kernel, dilation=dilation, num_global_tokens=glob, tiles=tiles
+        )
+        with_w, weights = neighborhood_attend(
+            q, k, v, grid, kernel, dilation=dilation, num_global_tokens=glob, tiles=tiles,
+            need_weights=True,
+        )
+    want, want_w = attend(q, k, v, allowed, need_weights=True)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(with_w, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+    grad = torch.randn_like(out)
+    got_g = torch.autograd.grad(out, (q, k, v), grad)
+    want_g = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_key_mask_and_dead_rows(additive):
+    grid, kernel = (6, 7), (3, 3)
+    length = 1 + 42
+    q, k, v = _qkv(3, 2, 2, length)
+    real = torch.ones(3, length, dtype=torch.bool)
+    real[1, 20:] = False
+    real[2, :] = False  # every key padded: zeros, never NaN
+    real[2, 5] = True  # ... except one: rows whose window misses it are dead
+    real[2, 0] = False  # the global key padded too
+    key_mask = real if not additive else torch.zeros(3, length).masked_fill(~real, float("-inf"))
+    allowed = neighborhood_mask(grid, kernel, num_global_tokens=1) & real[:, None, None, :]
+    for fused in (True, False):
+        with fused_attn(fused):
+            out, _ = neighborhood_attend(
+                q, k, v, grid, kernel, num_global_tokens=1, key_mask=key_mask
+            )
+        want, _ = attend(q, k, v, allowed)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        want_g = torch.autograd.grad(want.sum(), (q, k, v))
+        for a, b in zip(grads, want_g):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (out[2, :, 30:] == 0).all()  # far from the one real key
+
+
+def _item_reference(q, k, v, item, kernel, dilation):
+    """One item alone: its own tokens, the dense mask of its grid, globals around it."""
+    start, stop = item.offset, item.offset + item.length
+    grid_end = item.start + item.rows * item.cols
+    live = item.length if item.tail_global else grid_end
+    allowed = torch.ones(live, live, dtype=torch.bool)
+    allowed[item.start:grid_end, item.start:grid_end] = neighborhood_mask(
+        (item.rows, item.cols), kernel, dilation=dilation
+    )
+    rows = [t[start:start + live].transpose(0, 1)[None] for t in (q, k, v)]
+    out, _ = attend(*rows, allowed)
+    full = torch.zeros(stop - start, q.shape[1], v.shape[-1])
+    full[:live] = out[0].transpose(0, 1)
+    return full
+
+
+@pytest.mark.parametrize("tail_global", [False, True])
+def test_rows_with_items_of_different_grids(tail_global):
+    lengths, grids = [13, 40, 7], [(3, 4), (5, 7), (1, 5)]
+    items = (
+        packed_items(lengths, grids, grid_start=[1, 2, 0]) if tail_global
+        else packed_items([1 + r * c for r, c in grids], grids, num_global_tokens=1)
+    )
+    total = sum(item.length for item in items)
+    q = torch.randn(total, 4, 8, requires_grad=True)
+    k, v = torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+    kernel, dilation = (3, 5), (1, 2)
+    tiles = choose_tiles(items, kernel, dilation)
+    plan = build_plan(total, items, kernel, dilation, tiles, "cpu")
+    out, weights = neighborhood_rows(q, k, v, plan, need_weights=True)
+    for item in items:
+        want = _item_reference(q, k, v, item, kernel, dilation)
+        torch.testing.assert_close(out[item.offset:item.offset + item.length], want,
+                                   atol=1e-5, rtol=1e-5)
+        w = weights[item.offset:item.offset + item.length, :, :item.length]
+        live = w.sum(-1)
+        torch.testing.assert_close(live[live > 0], torch.ones_like(live[live > 0]))
+
+
+def test_grid_start_makes_outside_tokens_global():
+    q, k, v = _qkv(2, 2, 2, 3 + 20 + 4)
+    out, _ = neighborhood_attend(q, k, v, (4, 5), (3, 3), grid_start=3)
+    allowed = torch.ones(27, 27, dtype=torch.bool)
+    allowed[3:23, 3:23] = neighborhood_mask((4, 5), 3)
+    want, _ = attend(q, k, v, allowed)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_per_item_grids_leave_the_rest_dead():
+    q, k, v = _qkv(2, 2, 2, 1 + 30)
+    out, _ = neighborhood_attend(q, k, v, [(5, 6), (3, 4)], (3, 3), num_global_tokens=1)
+    assert (out[1, :, 13:] == 0).all()
+    items = padded_items(2, 31, [(5, 6), (3, 4)], num_global_tokens=1)
+    rows = [t.transpose(1, 2).reshape(62, 2, 8) for t in (q, k, v)]
+    for m, item in enumerate(items):
+        want = _item_reference(*rows, item, (3, 3), (1, 1))
+        torch.testing.assert_close(out[m].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_never_builds_an_l_by_l_tensor():
+    items = padded_items(1, 64 * 64, (64, 64))
+    tiles = choose_tiles(items, (7, 7), (1, 1))
+    plan = build_plan(64 * 64, items, (7, 7), (1, 1), tiles, "cpu")
+    n, s, t = plan.allowed.shape
+    assert n * s * t < 64 * 64 * 64 * 64 / 20  # O(L · slab), far below L²
+    assert plan.pick.shape == (64 * 64,) and plan.gq_index.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype, device):
+    q, k, v = _qkv(2, 4, 4, 1 + 8 * 9, dtype=dtype, device=device)
+    allowed = neighborhood_mask((8, 9), 3, num_global_tokens=1, device=device)
+    for fused in (True, False):
+        with fused_attn(fused):
+            out, _ = neighborhood_attend(q, k, v, (8, 9), (3, 3), num_global_tokens=1)
+        assert out.dtype == dtype
+        want, _ = attend(*(t.float() for t in (q, k, v)), allowed)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+        out.float().sum().backward()
+        assert torch.isfinite(q.grad).all()
+
+
+def test_device(device):
+    q, k, v = _qkv(2, 4, 2, 12 * 10, device=device)
+    out, _ = neighborhood_attend(q, k, v, (12, 10), (5, 5), dilation=(2, 1))
+    allowed = neighborhood_mask((12, 10), 5, dilation=(2, 1), device=device)
+    want, _ = attend(q, k, v, allowed)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
