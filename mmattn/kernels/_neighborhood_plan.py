@@ -55,7 +55,9 @@ class Plan(NamedTuple):
       results, zero)``;
     - ``k_col`` (n, t) and ``gk_col`` (b', j'): each key slot's position inside its item
       (``width`` for empty slots), for the dense weights;
-    - ``width``: the longest item; ``tiles``: (th, tw); ``has_dead``: some row is dead.
+    - ``width``: the longest item; ``tiles``: (th, tw); ``has_dead``: some row is dead;
+    - ``additive``: ``allowed`` as additive (n, 1, s, t) masks by dtype, filled on demand
+      (SDPA runs faster on an additive mask than on a bool one it converts every call).
     """
 
     q_index: Tensor
@@ -70,6 +72,17 @@ class Plan(NamedTuple):
     width: int
     tiles: tuple[int, int]
     has_dead: bool
+    additive: dict
+
+
+def additive_mask(plan: Plan, dtype: torch.dtype) -> Tensor:
+    """``plan.allowed`` as a (n, 1, s, t) additive mask of ``dtype`` (0 / -inf), cached."""
+    mask = plan.additive.get(dtype)
+    if mask is None:
+        mask = torch.zeros(plan.allowed.shape, dtype=dtype, device=plan.allowed.device)
+        mask = mask.masked_fill_(~plan.allowed, float("-inf"))[:, None]
+        plan.additive[dtype] = mask
+    return mask
 
 
 def _axis(n: int, k: int, d: int, t: int) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -232,4 +245,5 @@ def _build_plan(
         width=width,
         tiles=tiles,
         has_dead=bool(dead.any()),
+        additive={},
     )

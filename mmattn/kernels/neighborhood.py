@@ -37,7 +37,13 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn.kernels import dense as _kernel
-from mmattn.kernels._neighborhood_plan import TILE_CHOICES, Item, Plan, build_plan
+from mmattn.kernels._neighborhood_plan import (
+    TILE_CHOICES,
+    Item,
+    Plan,
+    additive_mask,
+    build_plan,
+)
 
 __all__ = [
     "Item",
@@ -127,7 +133,7 @@ def choose_tiles(
 
 
 #: The fixed cost of one tile, in scores (see :func:`choose_tiles`).
-TILE_OVERHEAD = 2048
+TILE_OVERHEAD = 6144
 
 
 def _pad_row(t: Tensor, fill: float | bool = 0.0) -> Tensor:
@@ -182,15 +188,15 @@ def neighborhood_rows(
     km_t = None
     if km is not None:
         km_t = rearrange(km.index_select(0, plan.k_index), "(n t) -> n 1 t", n=n)
-    mask = rearrange(_key_mask(plan.allowed, km_t), "n s t -> n 1 s t")
     if km is None and not need_weights and _kernel.use_fused_attn():
         # No key mask: every real query sees itself, every empty slot sees all; no dead row.
         out_t = F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+            qt, kt, vt, attn_mask=additive_mask(plan, qt.dtype), dropout_p=dropout_p, scale=scale,
             enable_gqa=qt.shape[1] != kt.shape[1],
         )
         w_t = None
     else:
+        mask = rearrange(_key_mask(plan.allowed, km_t), "n s t -> n 1 s t")
         out_t, w_t = _kernel.attend(
             qt, kt, vt, mask, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
             report_path=False,
