@@ -174,3 +174,20 @@ def test_import_mmattn_does_not_import_viz():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_neighborhood_window_picture(tmp_path):
+    from mmattn import NeighborhoodAttention
+
+    attn = NeighborhoodAttention(8, 2, 3)
+    x = torch.randn(1, 5 * 6, 8)
+    _, weights = attn(x, grid=(5, 6), need_weights=True)
+    path = tmp_path / "window.png"
+    fig = viz.neighborhood_attention(weights[0, 6], torch.rand(1, 10, 12), (5, 6), (1, 0),
+                                     kernel_size=3, path=path)
+    check_picture(fig, path)
+    assert fig.axes[1].get_title() == "its weights (9 patches)"  # shifted inward, still 9
+    with pytest.raises(ValueError, match=r"query must be a patch of the \(5, 6\) grid"):
+        viz.neighborhood_attention(weights[0, 0], torch.rand(10, 12), (5, 6), 30)
+    with pytest.raises(ValueError, match="do not fit the patch grid"):
+        viz.neighborhood_attention(torch.rand(7), torch.rand(10, 12), (5, 6), 0)
