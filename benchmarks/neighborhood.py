@@ -52,6 +52,14 @@ from mmattn.masks import neighborhood_mask  # noqa: E402
 HEADS, HEAD_DIM, KERNEL = 4, 32, 7
 EMBED = HEADS * HEAD_DIM
 GIB = 1024**3
+#: What the refusals mean (checked with natten 0.21.7 and torch 2.14 on the CPU).
+WHY = {
+    "natten_compiled": (
+        " (natten offers its compiled Flex path only on CUDA devices of compute capability "
+        ">= 7.0; wrapping na2d in torch.compile fails too: inductor's CPU flex_attention "
+        "does not support the return_lse natten asks for)"
+    ),
+}
 
 
 class Projected(nn.Module):
@@ -185,6 +193,7 @@ def attempt(calls: dict, refused: dict, x: torch.Tensor, mode: str) -> None:
                     run_once(calls[name], x, mode)
             except Exception as error:  # noqa: BLE001 - report any refusal, keep going
                 refused[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                refused[name] += WHY.get(name, "")
                 del calls[name]
 
 
