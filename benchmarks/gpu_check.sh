@@ -10,6 +10,8 @@
 # 2. bf16 TFLOP/s of MultiHeadAttention vs raw SDPA (+ the projections' fair share) at
 #    L in {1024, 4096, 16384}, D=1024, H=16 (target >= 90 %), and LocalAttention vs
 #    FlexAttention with a sliding-window block mask (target: no slower);
+# 2b. NeighborhoodAttention's kernel vs FlexAttention with the same window block mask:
+#    outputs and gradients equal, fwd+bwd bf16 time (benchmarks/gpu_neighborhood.py);
 # 3. the CPU benchmarks' CUDA variants (attention core fp32/bf16, adapters), packed vs
 #    padded (benchmarks/varlen.py) once it has a CUDA mode;
 # 4. with more than one GPU: DDP (with/without find_unused_parameters), compiled DDP, FSDP2
@@ -53,6 +55,8 @@ NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 step "CUDA tests" 170 cuda_tests.log $PY -m pytest -q -p no:cacheprovider -k cuda tests
 step "MHA vs SDPA, LocalAttention vs Flex (bf16)" 120 gpu_attention.md \
   $PY benchmarks/gpu_attention.py
+step "NeighborhoodAttention vs Flex (same block mask)" 60 gpu_neighborhood.md \
+  $PY benchmarks/gpu_neighborhood.py
 if ((NGPU > 1)); then
   step "DDP / FSDP2 / SequenceParallel on NCCL ($NGPU GPUs)" 120 gpu_dist.log \
     torchrun --standalone --nproc-per-node="$NGPU" benchmarks/gpu_dist_check.py
