@@ -147,7 +147,6 @@ def band_mask(
     return allowed
 
 
-
 def local_allowed(
     length: int,
     window_size: int,

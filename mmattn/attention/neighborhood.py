@@ -287,9 +287,11 @@ class NeighborhoodAttention(MultiHeadAttention):
 
     def _check_inputs(
         self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
+        attn_mask: Tensor | None, is_causal: bool = False,
     ) -> bool:
-        batched = super()._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        batched = super()._check_inputs(
+            query, key, value, key_padding_mask, attn_mask, is_causal
+        )
         seq_dim = 1 if batched and self.batch_first else 0
         length = query.shape[seq_dim]
         if key.shape[seq_dim] != length:
