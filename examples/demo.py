@@ -33,6 +33,7 @@ EXAMPLES = (
     "graph_sbm",
     "graph_packed",
     "text_recall",
+    "image_canvas",
     "image_digits",
     "custom_adapter",
     "qkv_walkthrough",

@@ -17,6 +17,7 @@ PICTURES = (
     "image_digits_attention.png",
     "text_recall_attention.png",
     "audio_dtmf_attention.png",
+    "image_canvas_window.png",
 )
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 

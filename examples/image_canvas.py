@@ -2,11 +2,11 @@
 
 Each scikit-learn digit (8x8, upscaled to 16x16) is pasted at a random spot of a 64x64
 canvas of noise. ``ImagePatcher`` cuts the canvas into 2x2 patches: a 32x32 grid, 1,024
-tokens, with fixed 2D sine/cosine positions. An ``Encoder`` of ``NeighborhoodAttention``
-blocks (7x7 windows, ``attention="neighborhood"``; the blocks read the grid from
-``Tokens.meta``) builds local features, and a class token (a global token: it attends all
-patches, all patches attend it) is classified. A training digit gets a new spot and new
-noise at every visit; the held-out digits sit on fixed canvases.
+tokens, without absolute positions. An ``Encoder`` of two ``NeighborhoodAttention`` blocks
+(5x5 windows with rotary positions, ``attention="neighborhood"``; the blocks read the grid
+from ``Tokens.meta``) builds local features, and their maximum over the patches is
+classified, wherever the digit is. A training digit gets a new spot and new noise at every
+visit; the held-out digits sit on fixed canvases.
 
 The same model with full attention is timed on a few training batches, so the log reports
 the time per epoch of both. ``mmattn.viz.neighborhood_attention`` draws one patch's window
@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from einops import repeat
 from torch import Tensor, nn
 
 from adapters import ImagePatcher
@@ -35,10 +34,17 @@ from mmattn.debug import record_attention
 
 EXAMPLE = "image_canvas"
 CANVAS, DIGIT, PATCH = 64, 16, 2
+#: Pixel normalisation: without it a dim noise patch and a bright digit patch of the same
+#: pattern are the same token after the blocks' LayerNorm (a linear patch embedding without
+#: bias is scale-free), and nothing is learned.
+MEAN, STD = 0.5, 0.25
 
 
 def canvases(digits: Tensor, generator: torch.Generator, noise: float = 0.3) -> Tensor:
-    """(N, 1, 64, 64): each (1, 8, 8) digit upscaled to 16x16 at a random spot, in noise."""
+    """(N, 1, 64, 64): each (1, 8, 8) digit upscaled to 16x16 at a random spot, in noise.
+
+    Pixels are in [0, 1]; the model normalises them (:data:`MEAN`, :data:`STD`).
+    """
     n = digits.shape[0]
     big = F.interpolate(digits, size=(DIGIT, DIGIT), mode="bilinear", align_corners=False)
     out = noise * torch.rand(n, 1, CANVAS, CANVAS, generator=generator)
@@ -50,27 +56,30 @@ def canvases(digits: Tensor, generator: torch.Generator, noise: float = 0.3) -> 
 
 
 class CanvasViT(nn.Module):
-    """ImagePatcher → [class token; 1,024 patches] → neighbourhood Encoder → class token."""
+    """ImagePatcher → 1,024 patches → neighbourhood Encoder (RoPE) → max over patches.
 
-    def __init__(self, dim: int = 32, depth: int = 2, heads: int = 2, kernel: int = 7,
+    No absolute positions: the digit may be anywhere, so the patches carry only their
+    pixels, rotary positions inside the attention give each window its relative layout,
+    and the max over patches finds the digit wherever it is.
+    """
+
+    def __init__(self, dim: int = 32, depth: int = 2, heads: int = 2, kernel: int = 5,
                  attention: str = "neighborhood", classes: int = 10):
         super().__init__()
         self.patcher = ImagePatcher(dim, patch_size=PATCH, in_channels=1, img_size=CANVAS,
-                                    positional="sincos")
-        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
-        nn.init.normal_(self.cls, std=0.02)
-        kwargs = {"kernel_size": kernel, "num_global_tokens": 1}
+                                    positional=None)
+        kwargs = {"position": "rotary"}
+        if attention == "neighborhood":
+            kwargs["kernel_size"] = kernel
         self.encoder = Encoder(dim, depth, heads, mlp_ratio=2.0, attention=attention,
-                               attention_kwargs=kwargs if attention == "neighborhood" else None)
+                               attention_kwargs=kwargs)
         self.head = nn.Linear(dim, classes)
 
     def tokens(self, images: Tensor) -> Tokens:
-        patches = self.patcher(images)
-        cls = repeat(self.cls, "1 1 d -> b 1 d", b=images.shape[0])
-        return self.encoder(Tokens(torch.cat([cls, patches.x], dim=1), meta=patches.meta))
+        return self.encoder(self.patcher((images - MEAN) / STD))
 
     def forward(self, images: Tensor) -> Tensor:
-        return self.head(self.tokens(images).x[:, 0])
+        return self.head(self.tokens(images).x.amax(dim=1))
 
 
 def epoch_seconds(model: nn.Module, images: Tensor, labels: Tensor, batch: int, steps: int,
@@ -93,12 +102,14 @@ def save_window_picture(model: CanvasViT, image: Tensor, path: Path) -> None:
     first = "encoder.blocks.0.attn"
     with torch.no_grad(), record_attention(model) as maps:
         model(image[None])
-    weights = maps[first][0][0, 1:, 1:]  # patches over patches (no class token)
+    weights = maps[first][0][0]  # (patches, patches)
     rows, cols = CANVAS // PATCH, CANVAS // PATCH
     ink = image[0].unfold(0, PATCH, PATCH).unfold(1, PATCH, PATCH).mean((-1, -2))
     query = int(ink.flatten().argmax())  # a patch on the digit
-    neighborhood_attention(weights[query], image, (rows, cols), query, kernel_size=7,
-                           path=path, title=f"patch {divmod(query, cols)}: its 7x7 window")
+    kernel = model.encoder.blocks[0].attn.kernel_size
+    neighborhood_attention(weights[query], image, (rows, cols), query, kernel_size=kernel,
+                           path=path, title=f"patch {divmod(query, cols)}: its "
+                           f"{kernel[0]}x{kernel[1]} window")
 
 
 def run(
@@ -120,13 +131,13 @@ def run(
     test_images = canvases(digits[test], generator).to(device)
     labels = labels.to(device)
     model = CanvasViT().to(device)
-    batch, epochs = 32, 1 if quick else 6
+    batch, epochs = 16, 1 if quick else 4
 
     def forward(idx: Tensor) -> Tensor:  # a fresh spot and fresh noise at every visit
         return model(canvases(digits[idx], generator).to(device))
 
     start = time.perf_counter()
-    train_classifier(model, forward, labels, train, epochs=epochs, batch_size=batch, lr=3e-3,
+    train_classifier(model, forward, labels, train, epochs=epochs, batch_size=batch, lr=2e-3,
                      desc="image: canvas", show=show_progress)
     ours_epoch = (time.perf_counter() - start) / epochs
     lookup = {int(i): n for n, i in enumerate(test.tolist())}

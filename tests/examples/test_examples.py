@@ -18,6 +18,7 @@ pytest.importorskip("sklearn")
 
 PICTURES = {
     "image_digits": ["image_digits_attention.png"],
+    "image_canvas": ["image_canvas_window.png"],
     "audio_dtmf": ["audio_dtmf_attention.png"],
     "graph_sbm": ["graph_sbm_attention.png"],
     "text_recall": ["text_recall_attention.png"],
