@@ -511,6 +511,9 @@ NOT_IN_MATRIX = {
     "masks.band_mask": "int arguments (tests/mmattn/test_masks.py)",
     "masks.local_allowed": "int arguments (tests/mmattn/attention/test_local.py)",
     "masks.k_hop_edges": "integer edge lists (tests/mmattn/kernels/test_segment.py)",
+    "masks.neighborhood_mask": "int arguments (tests/mmattn/kernels/test_neighborhood.py)",
+    "NeighborhoodAttention": "every call needs a grid; its bad inputs are named cases in "
+                             "tests/mmattn/attention/test_neighborhood.py",
     "EdgeAttention": "every call needs edge_index; its bad inputs are named cases in "
                      "tests/mmattn/attention/test_edge.py",
     "position.sinusoidal_1d": "int arguments (named cases in test_bad_input_items.py)",

@@ -62,6 +62,19 @@ def test_mask_matches_naive_definition(case):
     assert torch.equal(got, naive_mask(grid, kernel, dilation, glob))
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"grid": (4, 4), "kernel_size": 2}, ValueError, "kernel_size must be odd"),
+    ({"grid": (4, 4), "kernel_size": 3, "dilation": 0}, ValueError, r"dilation\[0\] must be >= 1"),
+    ({"grid": (0, 4), "kernel_size": 3}, ValueError, r"grid\[0\] must be >= 1"),
+    ({"grid": 4, "kernel_size": 3}, TypeError, "grid must be a .rows, cols. pair"),
+    ({"grid": (4, 4), "kernel_size": 3, "num_global_tokens": -1}, ValueError,
+     "num_global_tokens must be >= 0"),
+])
+def test_mask_named_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        neighborhood_mask(**kwargs)
+
+
 def test_every_query_sees_the_same_number_of_keys():
     allowed = neighborhood_mask((11, 13), 5, dilation=2)
     counts = allowed.sum(-1)
