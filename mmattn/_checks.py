@@ -89,7 +89,16 @@ def check_mask_dtype(name: str, mask: Tensor, allow_float: bool = True) -> None:
 
 
 def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    """Raise TypeError for non-integers and ValueError for integers below ``minimum``."""
+    """Raise TypeError for non-integers and ValueError for integers below ``minimum``.
+
+    A symbolic size (``torch.SymInt``, from ``torch.export`` or a dynamic ``torch.compile``)
+    is an int: it is compared only when its value is fixed, so no guard specialises it.
+    """
+    if isinstance(value, torch.SymInt):
+        fixed = value.node.maybe_as_int()
+        if fixed is None:
+            return value
+        value = fixed
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:

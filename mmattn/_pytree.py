@@ -2,8 +2,9 @@
 through it.
 
 Children are ``x``, ``mask`` and every tensor found in ``meta`` (through dicts, lists,
-tuples and nested Tokens, e.g. the latent fusion's ``meta["context"]``); the rest of
-``meta`` (numbers, strings, tuples of them) is the constant context. Rule: meta holds
+tuples and nested Tokens, e.g. the latent fusion's ``meta["context"]``), and every symbolic
+size there (``torch.SymInt``, while torch.export traces); the rest of ``meta`` (numbers,
+strings, tuples of them) is the constant context. Rule: meta holds
 tensors, Tokens, or Python constants that compare with ``==``; a constant that changes
 between calls changes the tree spec (and recompiles a compiled caller). ``Tokens`` is also
 a dataclass (``eq=False``) because ``DistributedDataParallel``'s search for output tensors
@@ -17,13 +18,19 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
+
+#: meta leaves that are children, not context: tensors, and the symbolic sizes that
+#: torch.export traces (an image grid, a modality span), so they leave an exported program
+#: as its outputs instead of freezing into its output spec.
+_CHILDREN = (Tensor, torch.SymInt)
 
 
 def _flatten_tokens(tokens) -> tuple[list[Any], tuple[Any, ...]]:
     leaves, spec = pytree.tree_flatten(tokens.meta)
-    tensor_at = tuple(isinstance(leaf, Tensor) for leaf in leaves)
+    tensor_at = tuple(isinstance(leaf, _CHILDREN) for leaf in leaves)
     consts = tuple(None if is_t else leaf for leaf, is_t in zip(leaves, tensor_at))
     tensors = [leaf for leaf, is_t in zip(leaves, tensor_at) if is_t]
     return [tokens.x, tokens.mask, *tensors], (spec, tensor_at, consts)
@@ -33,7 +40,7 @@ def _flatten_tokens_with_keys(tokens) -> tuple[list[tuple[Any, Any]], tuple[Any,
     children, context = _flatten_tokens(tokens)
     paths = [
         path for path, leaf in pytree.tree_flatten_with_path(tokens.meta)[0]
-        if isinstance(leaf, Tensor)
+        if isinstance(leaf, _CHILDREN)
     ]
     keys = [pytree.GetAttrKey("x"), pytree.GetAttrKey("mask")]
     keys += [pytree.GetAttrKey("meta" + pytree.keystr(path)) for path in paths]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from mmattn import _checks as checks
 
@@ -386,12 +387,23 @@ def check_cache_call(
         window_size: the module's window (a :class:`LocalKVCache` must have the same).
 
     Raises:
-        TypeError: ``cache`` is not one of ``kinds``.
+        TypeError: ``cache`` is not one of ``kinds``; torch.export traces a stateful cache
+            (one not built from the traced inputs, as ``DecodeStep`` builds it; under
+            ``strict=True`` every cache).
         ValueError: the cache is on another device or (a ring cache) for another window;
             unbatched input; an ``attn_mask``; a ``key_padding_mask`` or no causal rule with
             a self-attention cache; ``is_causal`` or ``position`` with a
             :class:`ContextCache`.
     """
+    if torch.compiler.is_exporting() and (
+        torch.compiler.is_dynamo_compiling() or not is_fake(cache.size)
+    ):
+        raise TypeError(
+            f"cache is a stateful {type(cache).__name__} whose buffers live outside the "
+            "exported program (they would be frozen in as constants); export the functional "
+            "form mmattn.integrations.export.DecodeStep (with strict=False, the default), "
+            "which takes and returns the cache as tensors (docs/deploy.md)"
+        )
     if not isinstance(cache, kinds):
         names = " or ".join(kind.__name__ for kind in kinds)
         raise TypeError(

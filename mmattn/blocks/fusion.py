@@ -238,7 +238,8 @@ class MultiModalEncoder(nn.Module):
             else:
                 parts[name] = tokens.replace(tokens.x + embedding)
         sizes = {name: t.batch_size for name, t in parts.items()}
-        if len(set(sizes.values())) > 1:
+        first = next(iter(sizes.values()))
+        if any(size != first for size in sizes.values()):  # no set(): SymInts do not hash
             raise ValueError(f"inputs must share one batch size, got {sizes}")
         fused = Tokens.cat(parts)
         fused.meta["modalities"] = list(parts)
