@@ -14,6 +14,7 @@ weight reshaped to (d, c, p, p) on CUDA, an einops rearrange + linear on CPU.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from mmattn._checks import (
     check_positive_int,
     check_rank,
 )
+from mmattn._helpers import surely
 from mmattn.functional import use_fused_attn
 from mmattn.position import LearnedPositionalEmbedding2d, sinusoidal_2d
 from mmattn.tokens import Tokens
@@ -48,7 +50,9 @@ def _grid_and_pad(size: int, patch: int, stride: int) -> tuple[int, int]:
     Patches start at 0, s, 2s, ... while the start is inside the image; the last one may
     stick out, and the image is padded (bottom/right) to cover it.
     """
-    count = 1 if size <= patch else -(-(size - patch) // stride) + 1
+    # sym_max, not a branch, so a traced size (torch.export) stays symbolic; a non-negative
+    # numerator where it counts, as ONNX divides integers toward zero, not down
+    count = torch.sym_max(1, math.ceil((size - patch) / stride) + 1)
     return count, (count - 1) * stride + patch - size
 
 
@@ -187,7 +191,7 @@ class ImagePatcher(ModalityAdapter):
         (rows, pad_h), (cols, pad_w) = (
             _grid_and_pad(n, self.patch_size, self.stride) for n in images.shape[-2:]
         )
-        if pad_h or pad_w:
+        if not surely(pad_h == 0) or not surely(pad_w == 0):  # traced sizes: always pad
             images = F.pad(images, (0, pad_w, 0, pad_h))
         return images, (rows, cols), (pad_h, pad_w)
 

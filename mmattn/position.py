@@ -40,6 +40,7 @@ from mmattn._checks import (
     check_rank,
     check_same_device,
 )
+from mmattn._helpers import surely
 from mmattn.rotary import RotaryEmbedding, apply_rotary, rotary_cos_sin
 
 __all__ = [
@@ -215,7 +216,7 @@ def resample_2d(
             f"table must have old_grid rows*cols={old_grid[0] * old_grid[1]} rows, "
             f"got shape {tuple(table.shape)}"
         )
-    if old_grid == new_grid:
+    if surely(old_grid[0] == new_grid[0]) and surely(old_grid[1] == new_grid[1]):
         return table
     grid = rearrange(table.float(), "(h w) d -> 1 d h w", h=old_grid[0])
     kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
