@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from mmattn._helpers import surely
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.dense import attend
 
@@ -122,10 +123,18 @@ def local_attend(
             q, k, v, None, scale=scale, need_weights=need_weights, report_path=False,
             groups=groups,
         )
-    window = min(window_size, length - 1)  # a wider band sees the same keys
+    # Blocks of ceil(l / s); no negative floor division (ONNX's integer Div truncates).
+    if isinstance(length, int):  # clamped to the sequence: a wider band sees the same keys
+        window = min(window_size, length - 1)
+        block = min(block_size or default_block_size(window), length)
+        blocks = (length + block - 1) // block
+    else:
+        # A traced length (torch.export, dynamic compile): the layout depends on the window
+        # only, never specialised to the example. One spare block keeps ``n >= 2`` and the
+        # padded length above ``l`` for every size, so no guard asks whether they are equal.
+        window, block = window_size, block_size or default_block_size(window_size)
+        blocks = (length + 2 * block - 1) // block
     glob = min(num_global_tokens, length)
-    block = min(block_size or default_block_size(window), length)
-    blocks = math.ceil(length / block)
     left, right = window, (0 if causal else window)
     slab = block + left + right
     padded = blocks * block
@@ -137,7 +146,7 @@ def local_attend(
         t = F.pad(t, (0, 0, left, padded - length + right), value=fill)
         return rearrange(t.unfold(2, slab, block), "b h n e t -> (b n) h t e")
 
-    qb = F.pad(q, (0, 0, 0, padded - length)) if padded > length else q
+    qb = q if surely(padded == length) else F.pad(q, (0, 0, 0, padded - length))
     qb = rearrange(qb, "b h (n s) e -> (b n) h s e", s=block)
     kb, vb = slabs(k), slabs(v)
     position = torch.arange(length, device=device)
@@ -170,7 +179,7 @@ def local_attend(
         glob_mask = rearrange(glob_mask.expand(-1, blocks, block, -1), "b n s g -> (b n) 1 s g")
         mask = torch.cat([mask.expand(-1, -1, block, -1), glob_mask], dim=-1)
 
-    if key_mask is None and padded > length:
+    if key_mask is None and not surely(padded == length):
         # Without padding no real query row is fully masked; the extra rows past the end
         # may be, so open them (they are cropped) and skip the dead-row bookkeeping.
         tail = torch.arange(padded, device=device) >= length
@@ -180,7 +189,11 @@ def local_attend(
     out, wb = _attend_blocks(
         qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights, groups
     )
-    out = rearrange(out, "(b n) h s e -> b h (n s) e", b=batch)[:, :, :length]
+    out = rearrange(out, "(b n) h s e -> b h (n s) e", b=batch)
+    if isinstance(length, int):
+        out = out[:, :, :length]
+    else:  # a gather, not a slice: no guard that the padded length holds l
+        out = out.index_select(2, position)
     weights = None
     if need_weights:
         weights = _scatter_weights(wb, batch, length, block, left, right, glob)
@@ -195,7 +208,7 @@ def local_attend(
             q[:, :, :glob], k, v, row_keys, dropout_p=dropout_p, scale=scale,
             need_weights=need_weights, report_path=False, groups=groups,
         )
-        out = torch.cat([out_g, out[:, :, glob:]], dim=2)
+        out = out.slice_scatter(out_g, dim=2, end=glob)  # no (l - g)-sized slice: no guard
         if need_weights:
             weights = torch.cat([weights_g, weights[:, :, glob:]], dim=2)
     return out, weights

@@ -184,6 +184,9 @@ def sdpa(
     if mask is not None and dead_rows:
         live = live_rows(mask)
         mask = open_dead_rows(mask, live)
+    if mask is not None and mask.dim() >= 2 and torch.compiler.is_exporting():
+        # ONNX Attention (opset 23) takes a mask with one row per query, never one row for all
+        mask = mask.expand(*mask.shape[:-2], q.shape[-2], mask.shape[-1])
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=groups > 1,
