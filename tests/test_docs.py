@@ -36,6 +36,7 @@ PAGES = [
     "packed.md",
     "integrations.md#timm",
     "integrations.md#hugging-face-transformers",
+    "deploy.md",
 ]
 NEEDS = {
     "adapters/audio.md": "torchaudio",
@@ -43,6 +44,7 @@ NEEDS = {
     "debugging.md": "matplotlib",
     "integrations.md#timm": "timm",
     "integrations.md#hugging-face-transformers": "transformers",
+    "deploy.md": "onnxruntime",
 }
 
 

@@ -204,3 +204,22 @@ def dead_rows(case: Case, module: nn.Module, args: tuple, kwargs: dict, out: Ten
     result of every dead row is zero, as eager gives)."""
     assert case.attention
     return out[-1] - module.out_proj.bias
+
+
+def program_leaves(out: Any, spec: pytree.TreeSpec) -> list[Any]:
+    """The leaves of an eager ``out`` in the order of the exported program's outputs.
+
+    ``spec`` is ``program.call_spec.out_spec``. The program also returns the meta sizes that
+    were symbolic while tracing (a modality span, an image grid): eagerly they are constant
+    context of Tokens, in the program they are children (ONNX outputs). None is dropped.
+    """
+    if spec.is_leaf():
+        return [] if out is None else [out]
+    if spec.type is Tokens:
+        _, child_at, _ = spec.context
+        meta = [leaf for leaf, child in zip(pytree.tree_leaves(out.meta), child_at) if child]
+        children = [out.x, out.mask, *meta]
+    else:
+        children, _ = pytree.SUPPORTED_NODES[spec.type].flatten_fn(out)
+    specs = spec.children()
+    return [leaf for c, s in zip(children, specs) for leaf in program_leaves(c, s)]

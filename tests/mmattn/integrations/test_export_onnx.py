@@ -1,0 +1,69 @@
+"""ONNX Runtime equals eager for the exported attention layers, and for a decoding step.
+
+The shared checks are in _export_onnx.py; test_export_onnx_models.py covers the blocks,
+encoders and adapters. Skipped without the ``onnx`` extra.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.mmattn.integrations import _export_onnx as onnx_checks
+from tests.mmattn.integrations._export_cases import CASES, SIZES
+
+onnx_checks.skip_without_onnx()
+
+from mmattn import MultiHeadAttention  # noqa: E402
+from mmattn.integrations.export import DecodeStep  # noqa: E402
+
+LAYERS = [c for c in CASES if c.attention]
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def programs():
+    return onnx_checks.programs_fixture()
+
+
+@pytest.fixture(scope="module", params=onnx_checks.params(LAYERS), ids=onnx_checks.param_id)
+def converted(request, programs):
+    return onnx_checks.convert(request.param, programs)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=str)
+def test_onnx_runtime_equals_eager(converted, size):
+    onnx_checks.check_equals_eager(converted, size)
+
+
+def test_opset_23_runs_onnx_attention(converted):
+    onnx_checks.check_attention_op(converted)
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    torch.manual_seed(0)
+    attention = MultiHeadAttention(16, 4, num_kv_heads=2, position="rotary").eval()
+    step = DecodeStep(attention, max_len=STEPS + 4)
+    batch = torch.export.Dim("batch", max=64)
+    shapes = ({0: batch}, ({0: batch}, {0: batch}, None))
+    program = torch.export.export(
+        step, (torch.randn(3, 1, 16), step.init_state(3)), dynamic_shapes=shapes
+    )
+    return attention, step, program
+
+
+@pytest.mark.parametrize("opset", [None, 23], ids=lambda o: f"opset{o or 'default'}")
+def test_onnx_decode_step_reproduces_eager_decoding(decoder, opset):
+    attention, step, program = decoder
+    sess = onnx_checks.session(onnx_checks.to_onnx(program, opset))
+    batch = 2  # not the traced batch
+    cache = attention.make_cache(batch, STEPS + 4)
+    state = list(step.init_state(batch))
+    for _ in range(STEPS):
+        x = torch.randn(batch, 1, 16)
+        with torch.no_grad():
+            want, _ = attention(x, is_causal=True, cache=cache)
+        out, *state = onnx_checks.run(sess, [x, *state])
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert int(state[2]) == len(cache) == STEPS

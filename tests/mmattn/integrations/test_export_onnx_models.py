@@ -1,0 +1,36 @@
+"""ONNX Runtime equals eager for the exported blocks, encoders and adapters (Tokens in and
+out; meta sizes such as an image grid come out as int64 scalars).
+
+The shared checks are in _export_onnx.py; test_export_onnx.py covers the attention layers.
+Skipped without the ``onnx`` extra.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.mmattn.integrations import _export_onnx as onnx_checks
+from tests.mmattn.integrations._export_cases import CASES, SIZES
+
+onnx_checks.skip_without_onnx()
+
+MODELS = [c for c in CASES if not c.attention]
+
+
+@pytest.fixture(scope="module")
+def programs():
+    return onnx_checks.programs_fixture()
+
+
+@pytest.fixture(scope="module", params=onnx_checks.params(MODELS), ids=onnx_checks.param_id)
+def converted(request, programs):
+    return onnx_checks.convert(request.param, programs)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=str)
+def test_onnx_runtime_equals_eager(converted, size):
+    onnx_checks.check_equals_eager(converted, size)
+
+
+def test_opset_23_runs_onnx_attention(converted):
+    onnx_checks.check_attention_op(converted)
