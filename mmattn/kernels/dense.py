@@ -185,7 +185,11 @@ def sdpa(
         live = live_rows(mask)
         mask = open_dead_rows(mask, live)
     if mask is not None and mask.dim() >= 2 and torch.compiler.is_exporting():
-        # ONNX Attention (opset 23) takes a mask with one row per query, never one row for all
+        # ONNX Attention (opset 23) takes a mask with one row per query, never one row for
+        # all; an additive mask spares ONNX's lowering of a boolean one two (b, h, i, j)
+        # passes (Where before the softmax, IsNaN after). Every row is open: no -inf row.
+        if mask.dtype == torch.bool:
+            mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
         mask = mask.expand(*mask.shape[:-2], q.shape[-2], mask.shape[-1])
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
