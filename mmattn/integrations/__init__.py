@@ -6,4 +6,6 @@
   ``Attention`` on mmattn's kernel (``pip install "mmattn[timm]"``; imported only when used).
 - :mod:`~mmattn.integrations.huggingface` — :func:`~mmattn.integrations.huggingface.register`
   (mmattn as a transformers attention backend; imports transformers only when called).
+- :mod:`~mmattn.integrations.export` — :func:`~mmattn.integrations.export.tokens_dynamic_shapes`
+  and :class:`~mmattn.integrations.export.DecodeStep` for torch.export / ONNX (torch only).
 """
