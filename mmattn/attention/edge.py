@@ -167,6 +167,13 @@ class EdgeAttention(MultiHeadAttention):
         edge_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | list[Tensor] | None]:
         """Attend along ``edge_index``; see the class docstring for shapes."""
+        if torch.compiler.is_exporting():
+            raise NotImplementedError(
+                "EdgeAttention does not export: its edge set (duplicates merged, padded "
+                "tokens dropped) has a data-dependent size. Export MultiHeadAttention with the "
+                "same weights and attn_mask=adapters.neighbourhood_mask(...) as an input "
+                "instead (docs/deploy.md)"
+            )
         _check_no_mask(attn_mask, is_causal)
         self_attention = key is None or key is query
         key = default(key, query)

@@ -179,3 +179,13 @@ def test_exporting_a_stateful_cache_raises_and_leaves_it_alone():
     with pytest.raises(TypeError, match="stateful KVCache.*DecodeStep"):
         torch.export.export(_StatefulStep(attention, cache), (torch.randn(2, 1, 16),))
     assert len(cache) == 1 and torch.equal(cache.k, k)
+
+
+def test_edge_attention_refuses_to_export_clearly():
+    from mmattn import EdgeAttention
+
+    edge_index = torch.tensor([[0, 1, 5], [1, 2, 6]])
+    with pytest.raises(NotImplementedError, match="EdgeAttention does not export.*attn_mask"):
+        torch.export.export(
+            EdgeAttention(16, 4).eval(), (torch.randn(2, 5, 16),), {"edge_index": edge_index}
+        )
