@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 
@@ -21,3 +23,10 @@ def surely(condition: object) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return statically_known_true(condition)
+
+
+def exporting() -> bool:
+    """True while ``torch.export`` traces (``torch.compiler.is_exporting``; False on torch
+    releases older than that function)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting is not None and is_exporting())

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from mmattn import _checks as checks
+from mmattn._helpers import exporting
 
 __all__ = ["ContextCache", "KVCache", "LocalKVCache"]
 
@@ -395,7 +396,7 @@ def check_cache_call(
             a self-attention cache; ``is_causal`` or ``position`` with a
             :class:`ContextCache`.
     """
-    if torch.compiler.is_exporting() and (
+    if exporting() and (
         torch.compiler.is_dynamo_compiling() or not is_fake(cache.size)
     ):
         raise TypeError(

@@ -19,7 +19,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from mmattn._helpers import default
+from mmattn._helpers import default, exporting
 from mmattn.attention import _edges
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
@@ -167,7 +167,7 @@ class EdgeAttention(MultiHeadAttention):
         edge_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | list[Tensor] | None]:
         """Attend along ``edge_index``; see the class docstring for shapes."""
-        if torch.compiler.is_exporting():
+        if exporting():
             raise NotImplementedError(
                 "EdgeAttention does not export: its edge set (duplicates merged, padded "
                 "tokens dropped) has a data-dependent size. Export MultiHeadAttention with the "

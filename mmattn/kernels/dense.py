@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from mmattn._helpers import exporting
 from mmattn.masks import causal_mask
 
 _FUSED_ATTN = os.environ.get("MMATTN_FUSED_ATTN", "1").strip().lower() not in ("0", "false", "no")
@@ -184,7 +185,7 @@ def sdpa(
     if mask is not None and dead_rows:
         live = live_rows(mask)
         mask = open_dead_rows(mask, live)
-    if mask is not None and mask.dim() >= 2 and torch.compiler.is_exporting():
+    if mask is not None and mask.dim() >= 2 and exporting():
         # ONNX Attention (opset 23) takes a mask with one row per query, never one row for
         # all; an additive mask spares ONNX's lowering of a boolean one two (b, h, i, j)
         # passes (Where before the softmax, IsNaN after). Every row is open: no -inf row.
