@@ -18,6 +18,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
+from mmattn.attention._init import draw_like_torch
+
 __all__: list[str] = []
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -247,6 +249,31 @@ class TorchInterop:
     no_torch_twin: ClassVar[str | None] = None
 
     @property
+    def in_proj_weight(self) -> Tensor | None:
+        """``cat(q_proj.weight, k_proj.weight, v_proj.weight)`` (3D, D), as torch packs it.
+
+        None where torch's is None: ``kdim`` or ``vdim`` differ from ``embed_dim`` (torch then
+        has ``q_proj_weight`` ...), and with grouped-query heads (no torch layout). A fresh
+        tensor at each read that carries gradients to the three weights; writing into it
+        changes nothing (write to ``q_proj.weight`` ... or load a state dict instead).
+        """
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim or self._grouped():
+            return None
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+
+    @property
+    def in_proj_bias(self) -> Tensor | None:
+        """``cat(q_proj.bias, k_proj.bias, v_proj.bias)`` (3D,): torch keeps it whenever
+        ``bias=True``, for any widths. None for ``bias=False`` (as torch) and with
+        grouped-query heads. A fresh tensor at each read, like :attr:`in_proj_weight`."""
+        if self.q_proj.bias is None or self._grouped():
+            return None
+        return torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+
+    def _grouped(self) -> bool:
+        return self.num_kv_heads != self.num_heads
+
+    @property
     def q_proj_weight(self) -> Tensor:
         """``q_proj.weight``, under ``nn.MultiheadAttention``'s name for the separate layout."""
         return self.q_proj.weight
@@ -279,8 +306,30 @@ class TorchInterop:
         )
 
     def _reset_parameters(self) -> None:
-        # nn.MultiheadAttention's private name, called by client code (PyG's GPSConv).
-        self.reset_parameters()
+        # nn.MultiheadAttention's private name, called by client code (PyG's GPSConv), with
+        # its draws: in-projection, zero biases, bias_k/bias_v; out_proj.weight (and a
+        # variant's own parameters) are kept, as torch keeps out_proj.weight.
+        draw_like_torch(self, out_proj=False)
+
+    def __prepare_scriptable__(self) -> nn.MultiheadAttention:
+        """``torch.jit.script`` compiles the torch twin (:meth:`to_torch`) in our place.
+
+        Our ``forward`` cannot be scripted (keyword-only ``cache=``, einops, unions); the
+        twin computes the same with copies of the weights. torch's protocol also puts the
+        twin into the *eager* model passed to ``torch.jit.script`` (its ``_modules`` are
+        rewritten in place): script a ``copy.deepcopy(model)`` to keep that one as it was.
+
+        Raises:
+            NotImplementedError: a variant without a torch twin, grouped-query attention or
+                a ``position`` module; the message names the module.
+        """
+        try:
+            return self.to_torch()
+        except NotImplementedError as error:
+            raise NotImplementedError(
+                f"torch.jit.script cannot compile {type(self).__name__}({self.extra_repr()}): "
+                f"{error}. Use torch.compile or torch.export for this module instead"
+            ) from None
 
     @classmethod
     def from_torch(cls: type[_Self], module: nn.MultiheadAttention, **kwargs: Any) -> _Self:

@@ -12,7 +12,6 @@ hook a variant overrides. The default hook is the shared kernel :func:`mmattn.ke
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -24,6 +23,8 @@ from mmattn import _checks as checks
 from mmattn._helpers import default
 from mmattn.attention._appended import append_keys
 from mmattn.attention._decoding import Decoding, cached_step, check_cache_step
+from mmattn.attention._fx import FX_ROOT, fx_tracer, leaf_call
+from mmattn.attention._init import draw_like_torch, undrawn_linear
 from mmattn.attention._inputs import check_inputs
 from mmattn.attention._interop import TorchInterop
 from mmattn.attention._nested import nested_forward
@@ -104,12 +105,12 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
 
     # A subclass of nn.MultiheadAttention, so client code that dispatches on the class
     # (PyG's GPSConv, FSDP's wrap policy) calls ours; nn.MultiheadAttention.__init__ never
-    # runs. PyTorch's Transformer layers probe these attributes to decide on their
+    # runs. PyTorch's Transformer layers probe _qkv_same_embed_dim first for their
     # packed-weight fast paths; our projections are never packed, so they all decline and
-    # call our forward. The separate projection weights are views of the nn.Linear modules.
+    # call our forward. in_proj_weight / in_proj_bias and q_proj_weight ... are read-only
+    # views of the nn.Linear modules (TorchInterop).
     _qkv_same_embed_dim = False
-    in_proj_weight = None
-    in_proj_bias = None
+    _fx_root = FX_ROOT  # torch.fx: a traced root holds itself under this name (see _fx.py)
 
     #: The caches ``forward(..., cache=)`` takes: what :meth:`make_cache` makes, and the
     #: projected context of cross-attention.
@@ -159,10 +160,11 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         self.batch_first = checks.check_bool("batch_first", batch_first)
         self.add_zero_attn = bool(add_zero_attn)
         factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(kdim, kv_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(vdim, kv_dim, bias=bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        # Allocated without drawing: reset_parameters draws in nn.MultiheadAttention's order.
+        self.q_proj = undrawn_linear(embed_dim, embed_dim, bias, **factory)
+        self.k_proj = undrawn_linear(kdim, kv_dim, bias, **factory)
+        self.v_proj = undrawn_linear(vdim, kv_dim, bias, **factory)
+        self.out_proj = undrawn_linear(embed_dim, embed_dim, bias, **factory)
         if add_bias_kv:
             self.bias_k = nn.Parameter(torch.empty(1, 1, kv_dim, **factory))
             self.bias_v = nn.Parameter(torch.empty(1, 1, kv_dim, **factory))
@@ -175,25 +177,14 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         MultiHeadAttention.reset_parameters(self)
 
     def reset_parameters(self) -> None:
-        """Initialise like ``nn.MultiheadAttention`` (same distributions).
+        """Initialise as ``nn.MultiheadAttention``'s constructor: same draws, same order.
 
-        With equal widths torch draws the packed (3D, D) in-projection from one Xavier
-        uniform; we draw each (D, D) block from that same distribution. Biases start at 0.
+        ``out_proj`` Kaiming-uniform (as ``nn.Linear``), then the in-projection Xavier-uniform
+        (one packed (3D, D) draw when the widths are equal, else q, k, v in turn), zero
+        biases, Xavier-normal ``bias_k``/``bias_v``. Under the same seed the weights and the
+        generator state afterwards are torch's (see :mod:`mmattn.attention._init`).
         """
-        if self.kdim == self.vdim == self.embed_dim:
-            bound = math.sqrt(6.0 / (self.embed_dim + 3 * self.embed_dim))
-            for proj in (self.q_proj, self.k_proj, self.v_proj):
-                nn.init.uniform_(proj.weight, -bound, bound)
-        else:
-            for proj in (self.q_proj, self.k_proj, self.v_proj):
-                nn.init.xavier_uniform_(proj.weight)
-        self.out_proj.reset_parameters()
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            if proj.bias is not None:
-                nn.init.zeros_(proj.bias)
-        if self.bias_k is not None:
-            nn.init.xavier_normal_(self.bias_k)
-            nn.init.xavier_normal_(self.bias_v)
+        draw_like_torch(self)
 
     def extra_repr(self) -> str:
         parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
@@ -300,6 +291,14 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         With ``cache`` (from :meth:`make_cache`) the call is one decoding step: its keys and
         values are appended to the cache and the queries attend everything cached.
         """
+        tracer = fx_tracer(query, key, value, key_padding_mask, attn_mask)
+        if tracer is not None:  # torch.fx: one call_module node, as for torch.nn's modules
+            return leaf_call(self, tracer, (query,), {
+                "key": key, "value": value, "key_padding_mask": key_padding_mask,
+                "need_weights": need_weights, "attn_mask": attn_mask,
+                "average_attn_weights": average_attn_weights, "is_causal": is_causal,
+                "cache": cache,
+            })
         if is_jagged(query) or is_jagged(key) or is_jagged(value):  # packed: mmattn/_packed*
             if cache is not None:
                 raise ValueError("cache= does not take packed (jagged) input; decode padded")
