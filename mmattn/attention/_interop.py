@@ -318,18 +318,26 @@ class TorchInterop:
         twin computes the same with copies of the weights. torch's protocol also puts the
         twin into the *eager* model passed to ``torch.jit.script`` (its ``_modules`` are
         rewritten in place): script a ``copy.deepcopy(model)`` to keep that one as it was.
+        With ``bias=False`` the twin gets frozen zero biases (torch's own ``bias=False``
+        module fails to script).
 
         Raises:
             NotImplementedError: a variant without a torch twin, grouped-query attention or
                 a ``position`` module; the message names the module.
         """
         try:
-            return self.to_torch()
+            twin = self.to_torch()
         except NotImplementedError as error:
             raise NotImplementedError(
                 f"torch.jit.script cannot compile {type(self).__name__}({self.extra_repr()}): "
                 f"{error}. Use torch.compile or torch.export for this module instead"
             ) from None
+        if twin.in_proj_bias is None:  # torch's bias=False module does not script (2.14):
+            weight = twin.out_proj.weight  # frozen zero biases compute the same
+            zeros = {"device": weight.device, "dtype": weight.dtype}
+            twin.in_proj_bias = nn.Parameter(torch.zeros(3 * self.embed_dim, **zeros), False)
+            twin.out_proj.bias = nn.Parameter(torch.zeros(self.embed_dim, **zeros), False)
+        return twin
 
     @classmethod
     def from_torch(cls: type[_Self], module: nn.MultiheadAttention, **kwargs: Any) -> _Self:

@@ -7,11 +7,14 @@ itself uses) so that imports go one way: ``integrations -> attention -> attentio
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mmattn._helpers import default
 from mmattn.attention.mha import MultiHeadAttention
@@ -32,8 +35,14 @@ def replace_attention(
     kept: a module that appears in several slots (shared by several parents, or twice in one
     ``nn.ModuleList([a, a])``) is replaced by one new module, put in every slot where it
     appeared, and the factory is called once for it. Modules that are already mmattn ones are
-    left alone; a subclass of ``nn.MultiheadAttention`` that overrides ``forward`` is
-    skipped with a warning (its behaviour is not torch's). Finally every
+    left alone. A module is skipped with a warning naming it and the reason where the swap
+    would change what the model computes or trains: a subclass that overrides ``forward``
+    (its behaviour is not torch's), a parametrized module, parameters shared with another
+    module (the swap would untie them), and, with a ``factory``, a parent that reads
+    ``in_proj_weight`` and attends by itself (torchaudio's ``WavLMSelfAttention``: the
+    factory's module would never run; the default swap gives the same numbers there, as
+    ``in_proj_weight``/``in_proj_bias`` are views of our projections). Hooks registered on
+    an old module are not carried over (a warning says so). Finally every
     ``nn.TransformerEncoder`` gets ``use_nested_tensor = False``, so its inference fast path
     does not convert the batch to a NestedTensor around our module (our module would accept
     it, but padding and the key padding mask are faster).
@@ -86,15 +95,18 @@ def replace_attention(
         if not _is_torch_attention(child, MultiHeadAttention):
             continue
         path = f"{parent_name}.{name}" if parent_name else name
-        if type(child).forward is not nn.MultiheadAttention.forward:
+        reason = _cannot_swap(child, parent, model, custom=factory is not None)
+        if reason is not None:
             if id(child) not in skipped:
                 skipped.add(id(child))
-                warnings.warn(
-                    f"replace_attention skipped {path}: {type(child).__name__} overrides "
-                    "nn.MultiheadAttention.forward",
-                    stacklevel=2,
-                )
+                warnings.warn(f"replace_attention skipped {path}: {reason}", stacklevel=2)
             continue
+        if id(child) not in replaced and _has_hooks(child):
+            warnings.warn(
+                f"replace_attention: the hooks registered on {path} are not carried over "
+                "to the new module; register them again on it",
+                stacklevel=2,
+            )
         if id(child) not in replaced:
             replaced[id(child)] = _build(build, child, path, custom=factory is not None)
         setattr(parent, name, replaced[id(child)])
@@ -107,6 +119,51 @@ def replace_attention(
         if isinstance(module, nn.TransformerEncoder):
             module.use_nested_tensor = False
     return count
+
+
+def _cannot_swap(
+    child: nn.MultiheadAttention, parent: nn.Module, model: nn.Module, custom: bool
+) -> str | None:
+    """Why swapping ``child`` would change what ``model`` computes or trains (None: it
+    would not)."""
+    name = type(child).__name__
+    if type(child).forward is not nn.MultiheadAttention.forward:
+        return f"{name} overrides nn.MultiheadAttention.forward"
+    if parametrize.is_parametrized(child):
+        return "it is parametrized (torch.nn.utils.parametrize); the swap would freeze its value"
+    own = {id(p) for p in child.parameters()}
+    shared = [
+        f"{m_name}.{p_name}" if m_name else p_name
+        for m_name, module in model.named_modules(remove_duplicate=False)
+        if not any(m is module for m in child.modules())
+        for p_name, p in module.named_parameters(recurse=False)
+        if id(p) in own
+    ]
+    if shared:
+        return f"its parameters are shared with {', '.join(shared)}; the swap would untie them"
+    if custom and _reads_in_proj(type(parent)):
+        return (
+            f"{type(parent).__name__} reads its in_proj_weight / in_proj_bias and computes "
+            "the attention itself, so the factory's module would never run"
+        )
+    return None
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, attr) for attr in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+    ))
+
+
+@functools.cache
+def _reads_in_proj(cls: type) -> bool:
+    """Whether ``cls``'s source reads ``.in_proj_weight``/``.in_proj_bias`` of a child
+    (torchaudio's WavLMSelfAttention does); False when the source is not available."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+    return ".in_proj_weight" in source or ".in_proj_bias" in source
 
 
 def _is_torch_attention(module: nn.Module, ours: type) -> bool:
