@@ -241,3 +241,198 @@ def test_pyg_gps_conv_calls_our_attention(device):
     real = torch.ones(sum(sizes), dtype=torch.bool, device=device)
     _assert_same(Graph(model), Graph(swapped), [x], real)
     assert calls and calls[0] == (3, 5, 16)  # ran on the padded (graphs, nodes, dim) batch
+
+
+# ---------------------------------------------------------------------- the last mile
+# TorchScript, FX, code that reads in_proj_weight, and seeded construction (issue 21).
+
+_JIT_DEPRECATED = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:FutureWarning")
+
+
+def _encoder_cpu():
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def _conformer():
+    models = pytest.importorskip("torchaudio.models")
+    return models.Conformer(
+        input_dim=32, num_heads=4, ffn_dim=64, num_layers=2, depthwise_conv_kernel_size=3,
+        dropout=0.0,
+    )
+
+
+def _wavlm():
+    """torchaudio's WavLM at a tiny size (wavlm_base's architecture: 95M parameters would
+    take seconds to build; this one builds in milliseconds)."""
+    models = pytest.importorskip("torchaudio.models")
+    return models.wavlm_model(
+        extractor_mode="group_norm", extractor_conv_layer_config=[(8, 10, 5), (8, 3, 2)],
+        extractor_conv_bias=False, encoder_embed_dim=16, encoder_projection_dropout=0.0,
+        encoder_pos_conv_kernel=4, encoder_pos_conv_groups=2, encoder_num_layers=2,
+        encoder_num_heads=4, encoder_num_buckets=8, encoder_max_distance=16,
+        encoder_attention_dropout=0.0, encoder_ff_interm_features=32,
+        encoder_ff_interm_dropout=0.0, encoder_dropout=0.0, encoder_layer_norm_first=False,
+        encoder_layer_drop=0.0, aux_num_out=None,
+    )
+
+
+def _vit_cpu():
+    return _vit("cpu")
+
+
+def _inputs_of(name):
+    """(callable inputs, real-position selector of the output) for each client model."""
+    if name == "vit":
+        return (torch.randn(2, 3, 32, 32),), slice(None)
+    if name == "encoder":
+        kpm = _padding([7, 4], 7, "cpu")
+        return (torch.randn(2, 7, 32), None, kpm), ~kpm
+    if name == "conformer":
+        lengths = torch.tensor([10, 6])
+        return (torch.randn(2, 10, 32), lengths), ~_padding([10, 6], 10, "cpu")
+    return (torch.randn(2, 400),), slice(None)  # wavlm: WavLM takes no lengths with padding
+
+
+CLIENTS = {"vit": _vit_cpu, "encoder": _encoder_cpu, "conformer": _conformer, "wavlm": _wavlm}
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def test_wavlm_reads_in_proj_and_equals_itself_before_the_swap():
+    """WavLMSelfAttention never calls forward: F.linear(query, in_proj_weight, in_proj_bias)
+    and out_proj. Our views give the same numbers and train our projections."""
+    model = _wavlm()
+    swapped = _swapped(model, 2)
+    (wave,), _ = _inputs_of("wavlm")
+    _assert_same(model, swapped, [wave], slice(None))
+    swapped.train()
+    _first(swapped(wave)).sum().backward()
+    attn = swapped.encoder.transformer.layers[0].attention.attention
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+
+
+def test_wavlm_refuses_a_factory_it_would_bypass():
+    model = _wavlm()
+    with pytest.warns(UserWarning, match="WavLMSelfAttention reads its in_proj_weight"):
+        count = replace_attention(model, lambda m: LocalAttention.from_torch(m, window_size=4))
+    assert count == 0
+    assert type(model.encoder.transformer.layers[0].attention.attention) is nn.MultiheadAttention
+
+
+@_JIT_DEPRECATED
+@pytest.mark.parametrize("name", list(CLIENTS))
+def test_jit_script_of_the_swapped_model_equals_eager(name):
+    """Scripting compiles torch's twin of each of our modules (and puts it into the model
+    passed in: each round scripts a fresh model, as torchaudio's WavLM does not script twice
+    even with torch's module)."""
+    inputs, real = _inputs_of(name)
+    for _ in range(3):  # fresh twins each time: torch.jit's memo by id() must not collide
+        model = CLIENTS[name]().eval()
+        swapped = _swapped(model, 2)
+        with torch.no_grad():
+            want = _first(swapped(*inputs))
+            torch.testing.assert_close(want[real], _first(model(*inputs))[real], atol=ATOL,
+                                       rtol=0)
+            scripted = torch.jit.script(swapped)
+            assert not any(isinstance(m, MultiHeadAttention) for m in swapped.modules())
+            torch.testing.assert_close(_first(scripted(*inputs))[real], want[real],
+                                       atol=ATOL, rtol=0)
+
+
+def _fx_layer(name):
+    """What torch.fx traces of each client with torch's own module (the encoder layer does
+    not trace even so: F._canonical_mask; Conformer and WavLM use lengths / sizes in Python
+    control flow), with its inputs."""
+    if name == "vit":
+        return _vit_cpu(), (torch.randn(2, 3, 32, 32),), 2
+    if name == "encoder":
+        layer = nn.TransformerDecoderLayer(32, 4, dim_feedforward=64, dropout=0.0,
+                                           batch_first=True)
+        return layer, (torch.randn(2, 6, 32), torch.randn(2, 9, 32)), 2
+    if name == "conformer":
+        kpm = _padding([10, 6], 10, "cpu")
+        return _conformer().conformer_layers[0], (torch.randn(10, 2, 32), kpm), 1
+    return None
+
+
+@pytest.mark.parametrize("name", list(CLIENTS))
+def test_fx_symbolic_trace_of_the_swapped_model_equals_eager(name):
+    """The whole model traces wherever it does with torch's module, and fails with torch's
+    own error where it does not; the largest traceable part is traced and compared."""
+    model = CLIENTS[name]()
+    swapped = _swapped(model, 2)
+    try:
+        torch.fx.symbolic_trace(model)
+    except Exception as error:  # torch's own model does not trace: neither does ours
+        with pytest.raises(type(error)) as ours:
+            torch.fx.symbolic_trace(swapped)
+        assert str(ours.value) == str(error)
+    if name == "wavlm":  # WavLM's attention layer branches on sizes too: nothing to trace
+        return
+    part, inputs, count = _fx_layer(name)
+    swapped = _swapped(part, count)
+    traced = torch.fx.symbolic_trace(swapped)
+    leaves = [n for n in traced.graph.nodes if n.op == "call_module"
+              and isinstance(traced.get_submodule(n.target), MultiHeadAttention)]
+    assert len(leaves) == count
+    for mode in (True, False):  # one call each per mode: Conformer's BatchNorm counts them
+        traced.train(mode)
+        part.train(mode)
+        torch.testing.assert_close(_first(traced(*inputs)), _first(part(*inputs)),
+                                   atol=ATOL, rtol=0)
+    swapped.eval()  # the graph module calls the swapped model's own submodules
+    torch.testing.assert_close(_first(traced(*inputs)), _first(swapped(*inputs)), atol=0, rtol=0)
+
+
+def test_torchvision_feature_extractor_on_a_swapped_vit():
+    feature_extraction = pytest.importorskip("torchvision.models.feature_extraction")
+    model = _vit_cpu().eval()
+    swapped = _swapped(model, 2)
+    names = feature_extraction.get_graph_node_names(model)
+    assert feature_extraction.get_graph_node_names(swapped) == names
+    nodes = {"encoder.layers.encoder_layer_1.self_attention": "attn", "encoder.ln": "features"}
+    ref = feature_extraction.create_feature_extractor(model, return_nodes=nodes)
+    ours = feature_extraction.create_feature_extractor(swapped, return_nodes=nodes)
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        got, want = ours(images), ref(images)
+    torch.testing.assert_close(got["features"], want["features"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got["attn"][0], want["attn"][0], atol=ATOL, rtol=0)
+
+
+class _TorchDefaults(MultiHeadAttention):
+    """Ours with nn.MultiheadAttention's defaults, built where client code says
+    ``nn.MultiheadAttention(...)``."""
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None):
+        super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim,
+                         vdim, batch_first, device, dtype)
+
+
+@pytest.mark.parametrize("name", list(CLIENTS))
+def test_seeded_construction_with_ours_equals_torchs(name, monkeypatch):
+    """A seeded client model built with our class in place of nn.MultiheadAttention has
+    torch's weights, and every later draw is the same (the generator state matches)."""
+    torch.manual_seed(7)
+    model = CLIENTS[name]()
+    rng = torch.get_rng_state()
+    monkeypatch.setattr(nn, "MultiheadAttention", _TorchDefaults)
+    monkeypatch.setattr(nn.modules.transformer, "MultiheadAttention", _TorchDefaults)
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TransformerEncoder: no nested-tensor fast path
+        ours = CLIENTS[name]()
+    monkeypatch.undo()
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert sum(isinstance(m, MultiHeadAttention) for m in ours.modules()) == 2
+    expected = _swapped(model, 2).state_dict()
+    state = ours.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in state.items():
+        assert torch.equal(value, expected[key]), key

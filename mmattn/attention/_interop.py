@@ -13,6 +13,7 @@ Axis key: ``b`` batch, ``i`` query length, ``j`` key length, ``d`` model width.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -337,6 +338,10 @@ class TorchInterop:
             zeros = {"device": weight.device, "dtype": weight.dtype}
             twin.in_proj_bias = nn.Parameter(torch.zeros(3 * self.embed_dim, **zeros), False)
             twin.out_proj.bias = nn.Parameter(torch.zeros(self.embed_dim, **zeros), False)
+        # torch.jit.script memoises prepared modules by id(); once the model drops us, a
+        # later twin's submodule could reuse our id and be swapped for our twin. So we live
+        # as long as the twin does.
+        _SCRIPT_SOURCES[twin] = self
         return twin
 
     @classmethod
@@ -415,6 +420,10 @@ class TorchInterop:
         )
         copy_into_torch(self, module)
         return module.train(self.training)
+
+
+#: twin -> the module it stands in for under torch.jit.script (see __prepare_scriptable__).
+_SCRIPT_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _check_torch_twin(cls: type, method: str) -> None:
