@@ -260,6 +260,15 @@ def test_jit_script_of_a_model_puts_the_twin_into_the_eager_model_too():
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+def test_jit_script_of_many_dropped_modules_keeps_each_twin():
+    """torch.jit.script memoises prepared modules by id(): a module the model drops must
+    stay alive, or a later twin's out_proj may reuse its id and be swapped for a twin."""
+    for _ in range(2):
+        model = nn.ModuleList([MultiHeadAttention(16, 4) for _ in range(6)])
+        scripted = torch.jit.script(copy.deepcopy(model))  # the copies are dropped
+        assert all(hasattr(layer.out_proj, "weight") for layer in scripted)
+
+
 @pytest.mark.parametrize(
     "make, name",
     [
