@@ -32,6 +32,16 @@ def fx_tracer(*values: object) -> fx.Tracer | None:
     return None
 
 
+def fx_leaf(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> fx.Proxy | None:
+    """Under FX tracing (a ``Proxy`` among the arguments): :func:`leaf_call`; else None.
+
+    ``forward`` starts with it, so the module is a leaf wherever a Proxy reaches it (our
+    blocks too: their ``Tokens`` input is a placeholder Proxy when traced).
+    """
+    tracer = fx_tracer(*args, *kwargs.values())
+    return None if tracer is None else leaf_call(module, tracer, args, kwargs)
+
+
 def leaf_call(
     module: nn.Module, tracer: fx.Tracer, args: tuple, kwargs: dict[str, Any]
 ) -> fx.Proxy:

@@ -23,7 +23,7 @@ from mmattn import _checks as checks
 from mmattn._helpers import default
 from mmattn.attention._appended import append_keys
 from mmattn.attention._decoding import Decoding, cached_step, check_cache_step
-from mmattn.attention._fx import FX_ROOT, fx_tracer, leaf_call
+from mmattn.attention._fx import FX_ROOT, fx_leaf
 from mmattn.attention._init import draw_like_torch, undrawn_linear
 from mmattn.attention._inputs import check_inputs
 from mmattn.attention._interop import TorchInterop
@@ -291,14 +291,13 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         With ``cache`` (from :meth:`make_cache`) the call is one decoding step: its keys and
         values are appended to the cache and the queries attend everything cached.
         """
-        tracer = fx_tracer(query, key, value, key_padding_mask, attn_mask)
-        if tracer is not None:  # torch.fx: one call_module node, as for torch.nn's modules
-            return leaf_call(self, tracer, (query,), {
-                "key": key, "value": value, "key_padding_mask": key_padding_mask,
-                "need_weights": need_weights, "attn_mask": attn_mask,
-                "average_attn_weights": average_attn_weights, "is_causal": is_causal,
-                "cache": cache,
-            })
+        traced = fx_leaf(self, (query,), {
+            "key": key, "value": value, "key_padding_mask": key_padding_mask,
+            "need_weights": need_weights, "attn_mask": attn_mask,
+            "average_attn_weights": average_attn_weights, "is_causal": is_causal, "cache": cache,
+        })
+        if traced is not None:  # torch.fx: one call_module node, as for torch.nn's modules
+            return traced
         if is_jagged(query) or is_jagged(key) or is_jagged(value):  # packed: mmattn/_packed*
             if cache is not None:
                 raise ValueError("cache= does not take packed (jagged) input; decode padded")

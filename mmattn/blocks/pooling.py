@@ -19,6 +19,7 @@ from einops import repeat
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn.attention._fx import FX_ROOT, fx_leaf
 from mmattn.attention.cross import CrossAttention
 from mmattn.kernels.packed import contiguous_parts, jagged, owners
 from mmattn.tokens import Tokens, check_tokens
@@ -106,6 +107,8 @@ class MaskedPool(nn.Module):
         torch.Size([2, 8])
     """
 
+    _fx_root = FX_ROOT  # torch.fx: this module is a leaf, also as the traced root
+
     def __init__(self, mode: str = "mean") -> None:
         super().__init__()
         self.mode = checks.check_choice("mode", mode, _MODES)
@@ -114,6 +117,9 @@ class MaskedPool(nn.Module):
         return f"mode={self.mode!r}"
 
     def forward(self, tokens: Tokens) -> Tensor:
+        traced = fx_leaf(self, (tokens,), {})
+        if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
+            return traced
         if self.mode == "mean":
             return masked_mean(tokens)
         if self.mode == "max":
@@ -152,6 +158,8 @@ class AttentionPool(nn.Module):
         torch.Size([3, 16])
     """
 
+    _fx_root = FX_ROOT  # torch.fx: this module is a leaf, also as the traced root
+
     def __init__(
         self,
         embed_dim: int,
@@ -175,6 +183,9 @@ class AttentionPool(nn.Module):
         return f"embed_dim={self.embed_dim}, num_heads={self.attn.num_heads}"
 
     def forward(self, tokens: Tokens) -> Tensor:
+        traced = fx_leaf(self, (tokens,), {})
+        if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
+            return traced
         check_tokens("tokens", tokens, self.embed_dim, like=self.query)
         if tokens.is_packed:  # one query per item, as a packed batch of length-1 items
             batch = tokens.batch_size

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn.attention._fx import FX_ROOT, fx_leaf
 from mmattn.attention.cross import CrossAttention
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.blocks._packed import attend_packed, check_same_layout
@@ -86,6 +87,8 @@ class TransformerBlock(nn.Module):
         >>> out.x.shape, out.x[0, 3:].abs().sum().item()
         (torch.Size([2, 5, 16]), 0.0)
     """
+
+    _fx_root = FX_ROOT  # torch.fx: this module is a leaf, also as the traced root
 
     def __init__(
         self,
@@ -174,6 +177,9 @@ class TransformerBlock(nn.Module):
         ``cache`` (from ``block.attn.make_cache(...)``, causal blocks only) decodes step by
         step: ``tokens`` are the new tokens, attending everything cached before them.
         """
+        traced = fx_leaf(self, (tokens,), {"attn_mask": attn_mask, "cache": cache})
+        if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
+            return traced
         check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
         attn_mask = block_attn_mask(
             attn_mask, tokens.batch_size, self.num_heads, tokens.length, tokens.length
@@ -235,6 +241,8 @@ class CrossAttentionBlock(nn.Module):
         torch.Size([2, 3, 16])
     """
 
+    _fx_root = FX_ROOT  # torch.fx: this module is a leaf, also as the traced root
+
     def __init__(
         self,
         embed_dim: int,
@@ -285,6 +293,9 @@ class CrossAttentionBlock(nn.Module):
         ``cache`` (from ``block.attn.make_cache(...)``) keeps the projected context of the
         first call, so decoding steps do not project it again.
         """
+        traced = fx_leaf(self, (query, context), {"attn_mask": attn_mask, "cache": cache})
+        if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
+            return traced
         param = checks.first_param(self)
         check_tokens("query", query, self.embed_dim, like=param)
         check_tokens("context", context, self.kdim, "kdim", like=param)
@@ -348,6 +359,8 @@ class Encoder(nn.Module):
         torch.Size([2, 5, 16])
     """
 
+    _fx_root = FX_ROOT  # torch.fx: this module is a leaf, also as the traced root
+
     def __init__(
         self,
         embed_dim: int,
@@ -394,6 +407,9 @@ class Encoder(nn.Module):
 
     def forward(self, tokens: Tokens, attn_mask: Tensor | None = None) -> Tokens:
         """Run every block, then the final norm; see the class docstring."""
+        traced = fx_leaf(self, (tokens,), {"attn_mask": attn_mask})
+        if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
+            return traced
         check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
         if tokens.is_packed:  # unwrap once: every block works on the packed rows
             values, offsets = contiguous_parts(tokens.x)

@@ -129,7 +129,7 @@ def _cannot_swap(
     name = type(child).__name__
     if type(child).forward is not nn.MultiheadAttention.forward:
         return f"{name} overrides nn.MultiheadAttention.forward"
-    if parametrize.is_parametrized(child):
+    if any(parametrize.is_parametrized(m) for m in child.modules()):
         return "it is parametrized (torch.nn.utils.parametrize); the swap would freeze its value"
     own = {id(p) for p in child.parameters()}
     shared = [

@@ -316,3 +316,30 @@ def test_from_torch_refuses_settings_a_variant_lacks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         LocalAttention.from_torch(nn.MultiheadAttention(16, 4), window_size=2)  # defaults: fine
+
+
+def test_replace_attention_skips_what_it_cannot_swap_faithfully():
+    """Parametrized modules and tied parameters are skipped with the reason; hooks are
+    reported as not carried over."""
+    from torch.nn.utils import parametrize
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    parametrized = nn.MultiheadAttention(8, 2)
+    parametrize.register_parametrization(parametrized.out_proj, "weight", Scale())
+    tied = nn.MultiheadAttention(8, 2)
+    head = nn.Linear(8, 8)
+    head.weight = tied.out_proj.weight
+    hooked = nn.MultiheadAttention(8, 2)
+    hooked.register_forward_hook(lambda m, args, out: None)
+    model = nn.ModuleDict({"p": parametrized, "t": tied, "head": head, "h": hooked})
+    with pytest.warns(UserWarning) as record:
+        assert replace_attention(model) == 1
+    messages = [str(w.message) for w in record]
+    assert any("skipped p: it is parametrized" in m for m in messages)
+    assert any("skipped t: its parameters are shared with head.weight" in m for m in messages)
+    assert any("the hooks registered on h are not carried over" in m for m in messages)
+    assert model["p"] is parametrized and model["t"] is tied
+    assert type(model["h"]) is MultiHeadAttention
