@@ -13,10 +13,16 @@ from torch import fx, nn
 
 from mmattn import (
     AdditiveAttention,
+    AttentionPool,
     CrossAttention,
+    CrossAttentionBlock,
+    Encoder,
     LinformerAttention,
     LocalAttention,
+    MaskedPool,
     MultiHeadAttention,
+    Tokens,
+    TransformerBlock,
 )
 from mmattn.cache import KVCache
 
@@ -338,3 +344,36 @@ def test_fx_refuses_a_cache():
 
     with pytest.raises(TypeError, match="torch.fx cannot trace MultiHeadAttention with cache="):
         fx.symbolic_trace(Decoder())
+
+
+def test_fx_traces_blocks_and_models_holding_them():
+    """Blocks and pools are leaves too: a model taking Tokens traces, and so does each block
+    as the root; the graph modules give eager's numbers."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = TransformerBlock(16, 4, causal=True)
+            self.cross = CrossAttentionBlock(16, 4, kdim=8)
+            self.pool = AttentionPool(16, 2)
+
+        def forward(self, tokens, context):
+            return self.pool(self.cross(self.block(tokens), context))
+
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    tokens = Tokens(torch.randn(2, 7, 16), mask)
+    context = Tokens(torch.randn(2, 5, 8))
+    net = Net().eval()
+    traced = fx.symbolic_trace(net)
+    assert [n.target for n in traced.graph.nodes if n.op == "call_module"] == [
+        "block", "cross", "pool"
+    ]
+    torch.testing.assert_close(traced(tokens, context), net(tokens, context), atol=0, rtol=0)
+    roots = [
+        (Encoder(16, depth=2, num_heads=4), (tokens,), lambda out: out.x),
+        (CrossAttentionBlock(16, 4, kdim=8), (tokens, context), lambda out: out.x),
+        (MaskedPool("mean"), (tokens,), lambda out: out),
+    ]
+    for module, inputs, value in roots:
+        graph_module = fx.symbolic_trace(module.eval())
+        torch.testing.assert_close(value(graph_module(*inputs)), value(module(*inputs)),
+                                   atol=0, rtol=0)
