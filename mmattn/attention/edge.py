@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mmattn._helpers import default, exporting
 from mmattn.attention import _edges
+from mmattn.attention._fx import fx_leaf
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
 from mmattn.kernels.segment import edge_attend
@@ -167,6 +168,14 @@ class EdgeAttention(MultiHeadAttention):
         edge_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | list[Tensor] | None]:
         """Attend along ``edge_index``; see the class docstring for shapes."""
+        traced = fx_leaf(self, (query,), {
+            "key": key, "value": value, "key_padding_mask": key_padding_mask,
+            "need_weights": need_weights, "attn_mask": attn_mask,
+            "average_attn_weights": average_attn_weights, "is_causal": is_causal,
+            "edge_index": edge_index, "edge_bias": edge_bias,
+        })
+        if traced is not None:  # torch.fx: one call_module node (see attention/_fx.py)
+            return traced
         if exporting():
             raise NotImplementedError(
                 "EdgeAttention does not export: its edge set (duplicates merged, padded "

@@ -16,6 +16,7 @@ from mmattn import (
     AttentionPool,
     CrossAttention,
     CrossAttentionBlock,
+    EdgeAttention,
     Encoder,
     LinformerAttention,
     LocalAttention,
@@ -330,6 +331,25 @@ def test_fx_traces_each_class_as_the_root(make):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     # the graph module holds the module itself (parameters shared, not copied)
     assert {id(p) for p in graph_module.parameters()} == {id(p) for p in module.parameters()}
+
+
+def test_fx_traces_edge_attention_in_a_model():
+    """(Not as the root: FX writes its required keyword-only edge_index after defaults.)"""
+    class Graph(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = EdgeAttention(16, 4)
+
+        def forward(self, x, edge_index):
+            return self.attn(x, edge_index=edge_index, need_weights=False)[0]
+
+    x = torch.randn(2, 3, 16)
+    edge_index = torch.tensor([[0, 1, 3], [1, 2, 4]])
+    model = Graph()
+    traced = fx.symbolic_trace(model)
+    torch.testing.assert_close(traced(x, edge_index), model(x, edge_index), atol=0, rtol=0)
+    with pytest.raises(NotImplementedError, match="torch.jit.script cannot compile EdgeAttention"):
+        torch.jit.script(model)
 
 
 def test_fx_refuses_a_cache():
