@@ -20,8 +20,8 @@ values and one SDPA-direction mask (True = may attend). Three kinds:
 The buffers never change shape and the counter is a 0-D tensor, so ``torch.compile`` traces
 one graph for every decoding step. Eagerly, :class:`KVCache` reads the counter and attends
 only the filled part (O(t) per step); under compile it attends all ``n`` slots with a mask
-(static shapes). Both give the same numbers. Checks that need the counter's value (a full
-cache) run eagerly only; checks of sizes and dtypes run always.
+(static shapes). Both give the same numbers. Checks of sizes and dtypes run always; the
+full-cache check reads the counter eagerly and runs as an in-graph assertion under compile.
 """
 
 from __future__ import annotations
@@ -137,6 +137,20 @@ class _Cache:
             )
         return length
 
+    def check_room_compiled(self, new: int) -> None:
+        """Compiled: the same check as :meth:`check_room`, without reading the counter.
+
+        The counter is a tensor, and reading it (``int``/``.item()``) would break the graph;
+        ``torch._check`` takes only a (Sym)bool, so its tensor form ``torch._assert_async``
+        runs inside the graph: the compiled step raises RuntimeError instead of writing past
+        the buffers.
+        """
+        torch._assert_async(
+            self.size + new <= self.max_len,
+            f"cache is full: {new} more token(s) do not fit max_len={self.max_len}; make a "
+            f"larger cache (make_cache(batch_size, max_len)) or reset() it",
+        )
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(batch_size={self.batch_size}, max_len={self.max_len}, "
@@ -198,6 +212,7 @@ class KVCache(_Cache):
         self.check_step("keys", k, v)
         new = k.shape[2]
         if _compiling():
+            self.check_room_compiled(new)
             positions = self.size + torch.arange(new, device=self.device)
             self.k.index_copy_(2, positions, k)
             self.v.index_copy_(2, positions, v)
@@ -269,7 +284,9 @@ class LocalKVCache(_Cache):
         """
         self.check_step("keys", k, v)
         new, window = k.shape[2], self.window_size
-        if not _compiling():
+        if _compiling():
+            self.check_room_compiled(new)
+        else:
             self.check_room(new)
         query_pos = self.size + torch.arange(new, device=self.device)  # (i,)
         keys = torch.cat([self.k, k], dim=2)

@@ -274,15 +274,18 @@ def softmax_attend(
 ) -> tuple[Tensor, Tensor]:
     """The explicit path for any score function: softmax(scores + mask) v, and the weights.
 
-    ``scores`` (..., i, j) may be overwritten when it is a contiguous buffer that autograd
-    does not track. A row with no allowed key is opened before the softmax and zeroed after.
+    ``scores`` (..., i, j) may be overwritten when it is a contiguous buffer and nothing that
+    feeds it (``scores``, a float ``mask``: a learned bias) needs a gradient. A row with no allowed key is opened before the softmax and zeroed after.
     Half-precision scores get a float32 softmax.
 
     Shape:
         - scores: (..., i, j); v: (..., j, e_v); mask: broadcastable to (..., i, j)
         - returns: (..., i, e_v) and the weights (..., i, j)
     """
-    in_place = not scores.requires_grad and scores.is_contiguous()
+    in_place = (
+        not scores.requires_grad and not (mask is not None and mask.requires_grad)
+        and scores.is_contiguous()
+    )
     live = None
     if mask is not None:
         live = live_rows(mask)

@@ -238,3 +238,24 @@ def test_compiled_cross_attention_decoding_traces_twice_at_most():
     frames, got, x = _compiled_steps(module, 5, key=context)
     assert frames <= 2  # the call that fills the cache, then every later step
     torch.testing.assert_close(got, module(x, context)[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["full", "local-causal-rope"])
+def test_compiled_decoding_past_max_len_raises_instead_of_writing(name):
+    """Compiled, the counter is never read in Python: an in-graph assertion must stop the
+    step that would write past the buffers (eagerly ``check_room`` raises ValueError)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    module = SELF[name]().eval()
+    step = torch.compile(module, backend=CompileCounter(), fullgraph=True)
+    cache = module.make_cache(B, max_len=3)
+    x = torch.randn(B, 4, D)
+    with torch.no_grad():
+        for s in range(3):
+            step(x[:, s:s + 1], is_causal=True, cache=cache)
+        keys = cache.k.clone()
+        with pytest.raises(RuntimeError, match="cache is full: 1 more token.s. do not fit "
+                                               "max_len=3"):
+            step(x[:, 3:4], is_causal=True, cache=cache)
+    assert len(cache) == 3 and torch.equal(cache.k, keys)  # nothing was written
