@@ -191,7 +191,7 @@ def _sp(name: str, outdir: Path):
 
 def _sp_errors(outdir: Path):
     """Bad input must raise the same error on every rank, never hang."""
-    from mmattn.distributed import SequenceParallel
+    from mmattn.distributed import SequenceParallel, all_reduce_grads
 
     rank = dist.get_rank()
     errors = {}
@@ -201,12 +201,30 @@ def _sp_errors(outdir: Path):
         "widths": lambda: torch.randn(1, 6 + 2 * rank, D, dtype=DTYPE),
         "one_rank_bad_dim": lambda: torch.randn(1, 6, D + rank, dtype=DTYPE),
     }
-    for case, make in cases.items():
+    real = torch.ones(1, 6, dtype=torch.bool)
+    # One rank's input is bad in a way that it alone can see (a non-tensor, another dtype,
+    # a mask on another device): that rank must still join the agreement, not hang its peer.
+    one_rank = {
+        "one_rank_not_tensor": lambda: ([[0.0] * D] * 6 if rank else torch.randn(1, 6, D,
+                                        dtype=DTYPE), None),
+        "one_rank_dtype": lambda: (torch.randn(1, 6, D, dtype=torch.float32 if rank else DTYPE),
+                                   None),
+        "one_rank_meta_mask": lambda: (torch.randn(1, 6, D, dtype=DTYPE),
+                                       real.to("meta" if rank else "cpu")),
+    }
+    for case, make in [*cases.items(), *one_rank.items()]:
         try:
-            SequenceParallel(attn)(make())
+            made = make()
+            query, mask = made if isinstance(made, tuple) else (made, None)
+            SequenceParallel(attn)(query, key_padding_mask=mask)
             errors[case] = None
         except ValueError as err:
             errors[case] = str(err)
+    try:
+        all_reduce_grads([torch.zeros(1)])
+        errors["all_reduce_grads_list"] = None
+    except TypeError as err:
+        errors["all_reduce_grads_list"] = str(err)
     glob = LocalAttention(D, H, window_size=1, num_global_tokens=5).to(DTYPE)
     try:
         SequenceParallel(glob)(torch.randn(1, 4, D, dtype=DTYPE))

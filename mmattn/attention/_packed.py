@@ -106,7 +106,7 @@ def attend_values(
     position = module.position
     direct = module._plain_attention() and _kernel.use_fused_attn()
     direct = direct and not need_weights and extra == 0
-    facts = {"q_lengths": q_lens, "k_lengths": k_lens, "is_causal": is_causal}
+    facts = {"q_lengths": q_lens, "k_lengths": k_lens}
 
     jagged_ok = direct and attn_mask is None and position is None and qv.is_cuda
     fallback = []
@@ -121,8 +121,7 @@ def attend_values(
             )
         except (RuntimeError, NotImplementedError, ValueError) as error:  # no kernel fits
             fallback = [f"torch's jagged SDPA refused these inputs: {error}"]
-        else:
-            report("jagged-sdpa", [], **facts)
+        else:  # jagged_sdpa reported the call
             return module.out_proj(rearrange(out, "t h e -> t (h e)")), None
 
     plan_k = [length + extra for length in k_lens]
@@ -131,12 +130,9 @@ def attend_values(
         qv.device,
     )
     buckets = plan_of.buckets
-    if _kernel.reporting():
-        reasons = fallback + (
-            [] if direct else ["the module's own attention kernel runs per bucket"]
-        )
-        sizes = [(len(b.items), b.q_len, b.k_len) for b in buckets]
-        report("buckets" if direct else "buckets-module", reasons, buckets=sizes, **facts)
+    # Path reports: each bucket's SDPA call reports its own tensors below (direct); the
+    # module's own kernel reports each bucket call itself (local, explicit, chunked, ...).
+    sizes = [(len(b.items), b.q_len, b.k_len) for b in buckets]
 
     # Gather every bucket's padded rows at once, then project: one gather (one scatter in
     # backward) per input, and self-attention shares its gather.
@@ -178,6 +174,10 @@ def attend_values(
             if mask is not None and causal:
                 mask = _kernel.with_causal(mask, bucket.q_len, bucket.k_len, qb.device)
                 causal = False
+            if _kernel.reporting():
+                report("buckets", fallback if index == 0 else [], q=qb, k=kb, v=vb, mask=mask,
+                       is_causal=causal, dropout_p=dropout_p, groups=groups, bucket=index,
+                       buckets=sizes, **facts)
             # only the user's mask may leave a row without keys
             out = _kernel.sdpa(
                 qb, kb, vb, mask, dropout_p=dropout_p, is_causal=causal, groups=groups,

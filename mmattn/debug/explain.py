@@ -4,7 +4,8 @@ Axis key: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``e`` 
 
 How it works: :mod:`mmattn.kernels.dense` tells registered listeners about every attention call
 (the path taken, the reasons when it is not the fused one, and the tensors). ``explain``
-registers a listener, puts forward pre/post hooks on every submodule so that each report is
+registers a listener, puts forward pre/post hooks on every submodule (and wraps the
+``attend_rows`` that blocks call directly for packed Tokens) so that each report is
 attributed to the innermost module running, runs one forward, and removes everything again.
 For a fused call it asks torch which SDPA backend (flash / efficient / math / cuDNN) these
 tensors get; when that is the slow math kernel it asks why: on CUDA torch's own
@@ -60,8 +61,11 @@ class AttentionCall:
         backend: the SDPA backend torch picks for these tensors ("flash", "efficient",
             "math", "cudnn"), when SDPA runs; None otherwise.
         reasons: why the call did not run a fused kernel (empty when it did).
-        q, k, v: shapes of the head-split queries, keys and values, (b, h, i, e).
-        mask: the mask the kernel saw, in words ("none", "bool (2, 1, 1, 7)", ...).
+        q, k, v: shapes of the head-split queries, keys and values, (b, h, i, e), of the
+            call that runs: for a local call the blocks ((b·n), h, s, e) against their key
+            slabs; for a packed call one bucket (n, h, i_max, e) (one record per bucket).
+        mask: the mask that call saw, in words ("none", "bool (2, 1, 1, 7)", ...; the band
+            mask of a local call, the real-key mask of a bucket).
         dtype: the queries' dtype.
         device: the queries' device.
         dropout_p: dropout on the weights in this call (0 in eval mode).
@@ -114,12 +118,19 @@ class Explanation(list):
 # ---------------------------------------------------------------- backend and reasons
 
 
+def _gqa(q: Tensor, k: Tensor, groups: int | None = None) -> bool:
+    """SDPA's ``enable_gqa`` for a call: from the caller's ``groups`` when it reported them,
+    else from the (eager, concrete) head counts."""
+    if groups is not None:
+        return groups > 1
+    return q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
+
+
 def _choice(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
-            is_causal: bool, scale: float | None) -> str | None:
+            is_causal: bool, scale: float | None, groups: int | None = None) -> str | None:
     try:
         index = torch._fused_sdp_choice(
-            q, k, v, mask, dropout_p, is_causal, scale=scale,
-            enable_gqa=q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1],
+            q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=_gqa(q, k, groups),
         )
     except (RuntimeError, TypeError, ValueError):
         return None
@@ -160,7 +171,7 @@ def _torch_debug_messages(check, params) -> list[str]:
 
 
 def _math_reasons(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
-                  is_causal: bool, scale: float | None) -> list[str]:
+                  is_causal: bool, scale: float | None, groups: int | None = None) -> list[str]:
     """Why torch's SDPA falls back to its math kernel for these tensors, in words."""
     reasons = []
     backends = torch.backends.cuda
@@ -169,25 +180,26 @@ def _math_reasons(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_
         reasons.append("the flash, efficient and cuDNN SDPA backends are disabled "
                        "(torch.backends.cuda.enable_*_sdp / torch.nn.attention.sdpa_kernel)")
     if q.device.type == "cuda":
-        params = backends.SDPAParams(q, k, v, mask, dropout_p, is_causal,
-                                     q.shape[1] != k.shape[1])
+        params = backends.SDPAParams(q, k, v, mask, dropout_p, is_causal, _gqa(q, k, groups))
         for name, check in (("flash", backends.can_use_flash_attention),
                             ("efficient", backends.can_use_efficient_attention)):
             for message in _torch_debug_messages(check, params):
                 reasons.append(f"{name} unavailable: {message}")
-    if mask is not None and _choice(q, k, v, None, dropout_p, is_causal, scale) not in (
+    if mask is not None and _choice(q, k, v, None, dropout_p, is_causal, scale, groups) not in (
         None, "math"
     ):
         reasons.append(f"the mask ({_describe_mask(mask, is_causal)}) rules out the fused "
                        f"kernels on {q.device.type}")
-    if dropout_p > 0 and _choice(q, k, v, mask, 0.0, is_causal, scale) not in (None, "math"):
+    if dropout_p > 0 and _choice(q, k, v, mask, 0.0, is_causal, scale, groups) not in (
+        None, "math"
+    ):
         reasons.append(f"dropout_p={dropout_p:g} (training mode) rules out the fused kernels "
                        f"on {q.device.type}")
     if q.dtype not in (torch.float16, torch.bfloat16):
         half = torch.float16 if q.device.type == "cuda" else torch.bfloat16
         cast = [t.to(half) for t in (q, k, v)]
         hmask = mask.to(half) if mask is not None and mask.is_floating_point() else mask
-        faster = _choice(*cast, hmask, dropout_p, is_causal, scale)
+        faster = _choice(*cast, hmask, dropout_p, is_causal, scale, groups)
         if faster not in (None, "math"):
             reasons.append(f"dtype {str(q.dtype).split('.')[-1]}: the {faster} kernel on "
                            f"{q.device.type} needs {str(half).split('.')[-1]}")
@@ -205,13 +217,14 @@ def _record(report: dict, module: str, cls: str) -> AttentionCall:
     dropout_p, scale = float(report.get("dropout_p") or 0.0), report.get("scale")
     path = report["path"]
     reasons = list(report.get("reasons", []))
+    groups = report.get("groups")
     backend = None
     if isinstance(q, Tensor) and path in ("fused", "local", "packed") and not reasons:
-        # local and packed calls run SDPA underneath when nothing forces the explicit path
-        backend = _choice(q, k, v, mask if path == "fused" else None, dropout_p,
-                          is_causal if path == "fused" else False, scale)
+        # Local and packed calls run SDPA underneath when nothing forces the explicit path;
+        # they report the tensors and mask of that call (per block, per bucket).
+        backend = _choice(q, k, v, mask, dropout_p, is_causal, scale, groups)
         if backend == "math":
-            reasons = _math_reasons(q, k, v, mask, dropout_p, is_causal, scale)
+            reasons = _math_reasons(q, k, v, mask, dropout_p, is_causal, scale, groups)
     if path == "explicit" and dropout_p > 0 and any("need_weights" in r for r in reasons):
         reasons.append(f"dropout_p={dropout_p:g} with weights requested: dropout is applied to "
                        "the explicit weights that are returned")
@@ -308,21 +321,41 @@ def explain(module: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
 
         return pre_hook, post_hook
 
+    def attributed(name: str, mod: nn.Module, rows):
+        """``mod.attend_rows`` that puts ``mod`` on the stack: blocks call it directly for
+        packed Tokens, past the module's forward hooks."""
+
+        def attend_rows(*rows_args: Any, **rows_kwargs: Any) -> Any:
+            stack.append((name, mod, len(calls)))
+            try:
+                return rows(*rows_args, **rows_kwargs)
+            finally:
+                stack.pop()
+
+        return attend_rows
+
     training = {name: m.training for name, m in module.named_modules()}
     saved = {name: b.detach().clone() for name, b in module.named_buffers()}
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+    patched: list[nn.Module] = []
     remove = _kernel.add_listener(listener)
     try:
         for name, sub in module.named_modules():
             pre_hook, post_hook = make_hooks(name)
             handles.append(sub.register_forward_pre_hook(pre_hook))
             handles.append(sub.register_forward_hook(post_hook, always_call=True))
+            if callable(getattr(type(sub), "attend_rows", None)) and \
+                    "attend_rows" not in vars(sub):
+                sub.attend_rows = attributed(name, sub, sub.attend_rows)
+                patched.append(sub)
         with torch.random.fork_rng(devices=devices):  # dropout draws leave no trace
             calls.output = module(*args, **kwargs)
     finally:
         remove()
         for handle in handles:
             handle.remove()
+        for sub in patched:
+            del sub.attend_rows
         with torch.no_grad():
             for name, buffer in module.named_buffers():
                 if name in saved and buffer.shape == saved[name].shape:

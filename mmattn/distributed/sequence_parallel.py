@@ -145,7 +145,10 @@ class SequenceParallel(nn.Module):
         if not error and not attn.batch_first:
             query, key, value = (rearrange(t, "n b d -> b n d") for t in (query, key, value))
         causal = bool(getattr(attn, "causal", False) or is_causal)
-        _agree(dist, group, query.shape[:2], key_padding_mask is not None, causal, error)
+        # Nothing of the input is read before the ranks agree: a rank with bad input still
+        # joins the all-gather, and every rank raises the same error.
+        batch_n = (0, 0) if error else tuple(query.shape[:2])
+        _agree(dist, group, batch_n, key_padding_mask is not None, causal, error)
         rank, ranks = dist.get_rank(group), dist.get_world_size(group)
         batch, n = query.shape[:2]
         q, k, v = _heads(attn, query, key, value)
@@ -331,10 +334,20 @@ def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_m
         return "SequenceParallel does not gather attention weights: need_weights must be False"
     if attn_mask is not None:
         return "SequenceParallel takes no attn_mask (the band is the mask), got one"
+    weight = attn.q_proj.weight
     for name, t, width in (("query", query, attn.embed_dim), ("key", key, attn.kdim),
                            ("value", value, attn.vdim)):
         if not isinstance(t, Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.device != weight.device:
+            return (f"{name} must be on the module's device {weight.device}, got "
+                    f"{t.device}")
+        autocast = t.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(
+            t.device.type
+        )
+        if t.dtype != weight.dtype and not autocast:
+            return (f"{name} must have the module's dtype {weight.dtype} (on every rank), "
+                    f"got {t.dtype}")
         if t.dim() != 3 or t.shape[-1] != width:
             return (f"{name} must be a 3-D shard (B, n, {width}) (batch_first) or (n, B, "
                     f"{width}), got shape {tuple(t.shape)}")
@@ -345,6 +358,9 @@ def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_m
         if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
             got = getattr(key_padding_mask, "dtype", type(key_padding_mask).__name__)
             return f"key_padding_mask must be a bool tensor (True = padding), got {got}"
+        if key_padding_mask.device != query.device:
+            return (f"key_padding_mask must be on the query's device {query.device}, got "
+                    f"{key_padding_mask.device}")
         batch_n = query.shape[:2] if attn.batch_first else query.shape[1::-1]
         if tuple(key_padding_mask.shape) != tuple(batch_n):
             return (f"key_padding_mask must have shape {tuple(batch_n)} (batch, shard length), "
@@ -362,11 +378,16 @@ def _agree(dist, group, batch_n, has_mask: bool, causal: bool, error: str) -> No
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every).tolist()
-    if error:
-        raise ValueError(error)
     bad = [r for r, row in enumerate(table) if row[0]]
-    if bad:
-        raise ValueError(f"SequenceParallel: rank(s) {bad} got bad input (see their error)")
+    if bad:  # every rank knows: all join one more gather, of the messages
+        messages = [None] * len(table)
+        dist.all_gather_object(messages, error, group=group)
+        if error:
+            raise ValueError(error)
+        raise ValueError(
+            f"SequenceParallel: rank(s) {bad} got bad input: "
+            + "; ".join(f"rank {r}: {messages[r]}" for r in bad)
+        )
     widths = [tuple(row[1:3]) for row in table]
     if len(set(widths)) > 1:
         raise ValueError(
@@ -383,7 +404,16 @@ def all_reduce_grads(module: nn.Module, group=None) -> None:
 
     Under sequence parallelism each rank's backward gives the parameter gradient of its own
     shard's share of the loss; the gradient of the whole loss is their sum.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` (e.g. a list of tensors).
+        RuntimeError: no initialised process group.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"all_reduce_grads takes the module whose parameter gradients to sum (an "
+            f"nn.Module), got {type(module).__name__}"
+        )
     dist = _dist()
     for param in module.parameters():
         if param.grad is not None:

@@ -112,13 +112,12 @@ def local_attend(
     batch, heads, length, _ = q.shape
     groups = _kernel.num_groups(q, k, groups)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if _kernel.reporting():
-        _kernel.report(
-            "local", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v, mask=key_mask,
-            dropout_p=dropout_p, is_causal=causal, scale=scale, window_size=window_size,
-            num_global_tokens=num_global_tokens,
-        )
+    facts = {"dropout_p": dropout_p, "scale": scale, "groups": groups, "causal": causal,
+             "window_size": window_size, "num_global_tokens": num_global_tokens}
     if length == 0 or batch == 0:
+        if _kernel.reporting():
+            _kernel.report("local", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v,
+                           mask=key_mask, **facts)
         return _kernel.attend(
             q, k, v, None, scale=scale, need_weights=need_weights, report_path=False,
             groups=groups,
@@ -186,6 +185,9 @@ def local_attend(
         tail = rearrange(tail, "(n s) -> 1 n 1 s 1", s=block)
         mask = rearrange(mask, "(b n) 1 s t -> b n 1 s t", b=batch) | tail
         mask = rearrange(mask, "b n 1 s t -> (b n) 1 s t")
+    if _kernel.reporting():  # the call that runs: per-block tensors and the band mask
+        _kernel.report("local", _kernel.explicit_reasons(need_weights), q=qb, k=kb, v=vb,
+                       mask=mask, **facts)
     out, wb = _attend_blocks(
         qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights, groups
     )

@@ -242,11 +242,15 @@ def jagged_sdpa(
     out = _kernel.sdpa(
         qn, kn, vn, None, dropout_p=dropout_p, is_causal=is_causal, groups=groups
     )
+    report("jagged-sdpa", [], q=qn, k=kn, v=vn, mask=None, is_causal=is_causal,
+           dropout_p=dropout_p, groups=groups)  # after the call: only a call that ran
     return out.transpose(1, 2).values()
 
 
 def report(path: str, reasons: list[str], **facts) -> None:
-    """Tell the path listeners about one packed call (:func:`mmattn.kernels.dense.add_listener`)."""
+    """Tell the path listeners about one packed SDPA call: ``kernel`` = ``path`` ("buckets":
+    one padded bucket, "jagged-sdpa": torch's varlen kernel) and the call's tensors and mask
+    (:func:`mmattn.kernels.dense.add_listener`)."""
     if _kernel.reporting():
         _kernel.report("packed", reasons, kernel=path, **facts)
 

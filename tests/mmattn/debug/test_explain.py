@@ -132,23 +132,95 @@ def test_reasons_match_the_cause():
     assert call.path == "fused" and "dense O(L²)" in call.reasons[0]
 
 
-def test_a_packed_report_is_attributed_to_its_module():
-    class Packed(nn.Module):  # stands in for a variable-length kernel reporting its path
-        def forward(self, q):
-            _kernel.report("packed", [], q=q, k=q, v=q, mask=None)
-            return q
+class _SpySDPA:
+    """Records every ``F.scaled_dot_product_attention`` call that really runs, and the backend
+    torch picks for exactly those tensors: the reference for what explain reports."""
 
-    model = nn.Sequential(nn.Identity(), Packed())
-    (call,) = explain(model, torch.randn(1, 2, 3, 4))
-    assert (call.module, call.cls, call.path, call.backend) == ("1", "Packed", "packed", "flash")
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[tuple] = []
+        real = torch.nn.functional.scaled_dot_product_attention
+
+        def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+            index = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal,
+                                            scale=scale, enable_gqa=enable_gqa)
+            mask = "none" if attn_mask is None else (
+                f"{'bool' if attn_mask.dtype == torch.bool else 'float'} "
+                f"{tuple(attn_mask.shape)}")
+            self.calls.append((tuple(q.shape), tuple(k.shape), mask, SDPBackend(index)))
+            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+    def assert_reported(self, report) -> None:
+        from mmattn.debug.explain import BACKENDS
+
+        assert len(report) == len(self.calls)
+        for call, (q, k, mask, backend) in zip(report, self.calls):
+            assert (call.q, call.k, call.mask, call.backend) == (q, k, mask, BACKENDS[backend])
+            assert call.fused == (BACKENDS[backend] != "math")
 
 
-@pytest.mark.skipif(not hasattr(Tokens, "pack"), reason="packed Tokens not on this branch")
+def test_local_reports_the_per_block_call_with_its_band_mask(monkeypatch):
+    """The blocked kernel runs SDPA on (b·n, h, s, e) blocks with a band mask; explain must
+    report that call (on CUDA the whole unmasked q/k/v would say "flash" where the masked
+    blocks cannot run flash)."""
+    local = LocalAttention(16, 4, window_size=3, num_kv_heads=2).eval()
+    spy = _SpySDPA(monkeypatch)
+    with torch.no_grad():
+        report = explain(local, torch.randn(2, 40, 16))
+    assert len(spy.calls) == 1  # one batched call over all blocks
+    spy.assert_reported(report)
+    (call,) = report
+    # block 32 (MIN_BLOCK), 2 blocks per item; slab 32 + 2·3 keys; 2 key heads
+    assert call.q == (4, 4, 32, 4) and call.k == (4, 2, 38, 4)
+    assert call.mask == "bool (4, 1, 32, 38)" and call.path == "local"
+
+
+def _packed_tokens() -> Tokens:
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(0))
+    real = torch.arange(7) < torch.tensor([7, 4, 6])[:, None]
+    return Tokens(x, real).pack()
+
+
+@pytest.mark.parametrize("attention", ["full", "local"])
+def test_packed_blocks_report_each_call_attributed_to_the_attention(monkeypatch, attention):
+    """Packed blocks call ``attn.attend_rows`` directly (no forward hook of the attention
+    runs): every call is still attributed to ``blocks.N.attn``, with its backend."""
+    kwargs = {"attention": "local", "window_size": 2} if attention == "local" else {}
+    enc = Encoder(16, 2, 4, **kwargs).eval()
+    spy = _SpySDPA(monkeypatch)
+    with torch.no_grad():
+        report = explain(enc, _packed_tokens())
+    cls, path = ("LocalAttention", "local") if attention == "local" else (
+        "MultiHeadAttention", "packed")
+    assert [(c.module, c.cls, c.path) for c in report] == [
+        ("blocks.0.attn", cls, path), ("blocks.1.attn", cls, path)]
+    spy.assert_reported(report)
+    assert all(c.fused and c.backend == "flash" and c.reasons == [] for c in report)
+    if attention == "full":  # one bucket of 3 items padded to 7, keys masked
+        assert report[0].q == (3, 4, 7, 4) and report[0].mask == "bool (3, 1, 1, 7)"
+    with torch.no_grad():
+        torch.testing.assert_close(report.output.x.values(), enc(_packed_tokens()).x.values())
+
+
+def test_packed_weights_report_the_explicit_bucket_call():
+    mha = MultiHeadAttention(16, 4).eval()
+    packed = _packed_tokens().x
+    with torch.no_grad():
+        report = explain(mha, packed, need_weights=True)
+    assert [(c.module, c.path, c.q) for c in report] == [("", "explicit", (3, 4, 7, 4))]
+    assert not report[0].fused and "need_weights=True" in report[0].reasons[0]
+
+
 def test_packed_tokens_through_a_block():
     enc = Encoder(16, 1, 4).eval()
     tokens = Tokens(torch.randn(2, 5, 16), torch.tensor([[1] * 5, [1] * 3 + [0] * 2]).bool())
     report = explain(enc, tokens.pack())
     assert [c.path for c in report] == ["packed"]
+    assert report[0].fused and report[0].module == "blocks.0.attn"
+    assert not any("attend_rows" in vars(m) for m in enc.modules())  # unwrapped afterwards
 
 
 def test_backend_names_per_device(device):

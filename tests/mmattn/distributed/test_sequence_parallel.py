@@ -194,6 +194,21 @@ def test_sequence_parallel_bad_input_raises_on_every_rank(two):
             assert "query must be a 3-D shard (B, n, 8)" in errors["one_rank_bad_dim"]
         else:
             assert "rank(s) [1] got bad input" in errors["one_rank_bad_dim"]
+        # bad input only one rank can see: that rank's error there, named on the other
+        prefix = "SequenceParallel: rank(s) [1] got bad input: rank 1: "
+        for case, message in (
+            ("one_rank_not_tensor", "query must be a torch.Tensor, got list"),
+            ("one_rank_dtype", "query must have the module's dtype torch.float64 (on every "
+                               "rank), got torch.float32"),
+            ("one_rank_meta_mask", "key_padding_mask must be on the query's device cpu, got "
+                                   "meta"),
+        ):
+            want = message if rank == 1 else f"{prefix}{message}"
+            assert errors[case] == want, (case, errors[case])
+        assert errors["all_reduce_grads_list"] == (
+            "all_reduce_grads takes the module whose parameter gradients to sum (an "
+            "nn.Module), got list"
+        )
         assert "num_global_tokens=5" in errors["global"] and "rank 0's shard" in errors["global"]
 
 
