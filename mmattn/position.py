@@ -115,7 +115,8 @@ def sinusoidal_1d(
     check_positive_int("length", length, minimum=0)
     check_positive_int("dim", dim)
     _check_even("dim", dim)
-    check_number("base", base, positive=True)
+    if not torch.compiler.is_compiling():  # dynamic=True traces a module's float as a SymFloat
+        check_number("base", base, positive=True)
     offset = check_index("offset", offset)
     dtype = _table_dtype(dtype)
     pos = torch.arange(length, device=device, dtype=torch.float32) + offset

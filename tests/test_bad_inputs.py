@@ -533,6 +533,12 @@ NOT_IN_MATRIX = {
     "adapters.create": "a name (named case)",
     "adapters.image_transform": "torchvision's pipeline",
     "adapters.num_frames": "int arguments",
+    "distributed.SequenceParallel": "needs a process group of several ranks: bad input on one "
+                                    "or every rank is raised on every rank, never a hang "
+                                    "(2 gloo ranks, tests/mmattn/distributed/"
+                                    "test_sequence_parallel.py, sp_errors)",
+    "distributed.all_reduce_grads": "takes a module and a process group (a non-module is a "
+                                    "TypeError: sp_errors, 2 gloo ranks)",
 }
 
 
@@ -542,7 +548,8 @@ def _public_names() -> dict[str, object]:
     for prefix, package in (("", mmattn), ("functional.", MF), ("masks.", masks),
                             ("position.", position), ("rotary.", mmattn.rotary),
                             ("cache.", mmattn.cache), ("registry.", mmattn.registry),
-                            ("debug.", mmattn.debug), ("adapters.", adapters)):
+                            ("debug.", mmattn.debug), ("distributed.", mmattn.distributed),
+                            ("adapters.", adapters)):
         for name in package.__all__:
             value = getattr(package, name)
             if callable(value) and not isinstance(value, type(mmattn)):

@@ -45,7 +45,9 @@ def additive_scores(q: Tensor, k: Tensor, weight: Tensor) -> Tensor:
     groups = q.shape[1] // k.shape[1]
     qg = rearrange(q, "b (k g) i e -> b k g i e", g=groups)
     hidden = torch.tanh(qg[:, :, :, :, None, :] + k[:, :, None, None, :, :])  # (b k g i j e)
-    weight = rearrange(weight, "(k g) e -> k g e", g=groups)
+    # "(k g) e -> k g e", not through einops: a Parameter would join einops' backend cache
+    # on the first eager call and so change a guard of every compiled graph (a recompile)
+    weight = weight.unflatten(0, (k.shape[1], groups))
     scores = torch.einsum("bkgije,kge->bkgij", hidden, weight)
     return rearrange(scores, "b k g i j -> b (k g) i j")
 

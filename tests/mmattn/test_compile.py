@@ -315,3 +315,50 @@ def test_inductor_fullgraph_matches_eager(name, case):
 def test_adapters_inductor_fullgraph_match_eager(name, case):
     adapter, make = case
     _check(adapter, make, (6,), "inductor")
+
+
+# --- dynamic=True on every layer and block: one capture for four lengths --------------
+
+
+def _dynamic_cases():
+    """Every attention layer and block, for ``dynamic=True``: (module, make_args, lengths).
+
+    The layers take grouped-query heads where they have them (SDPA's ``enable_gqa`` must come
+    from the configuration, never a SymBool shape comparison)."""
+    yield "mha_gqa", _attention_case(MultiHeadAttention(D, H, num_kv_heads=1), lengths=LENGTHS)
+    # context lengths 8, 10, 12, 15: the first equals D, which duck sizing would tie to
+    # the static width (a test artefact, not a recompile of the layer): start at 6 instead
+    yield "cross", _attention_case(CrossAttention(D, H, kdim=D, vdim=D), cross=True,
+                                   lengths=(6, 8, 10, 13))
+    yield "local_gqa_causal", _attention_case(
+        LocalAttention(D, H, window_size=3, causal=True, num_kv_heads=1), lengths=LOCAL_LENGTHS
+    )
+    yield "additive", _attention_case(AdditiveAttention(D, H), lengths=LENGTHS)
+    yield "linformer", _attention_case(LinformerAttention(D, H, seq_len=16, proj_len=3),
+                                       lengths=LENGTHS)
+    yield "block_full", (TransformerBlock(D, H), _tokens, LENGTHS)
+    yield "block_local", (TransformerBlock(D, H, attention="local", window_size=2), _tokens,
+                          LOCAL_LENGTHS)
+
+    def cross_tokens(length, seed):
+        return Tokens(_x(length, seed), _padding(2, length, seed)), _tokens(length + 2, seed)[0]
+
+    yield "cross_block", (CrossAttentionBlock(D, H), cross_tokens, LENGTHS)
+    yield "encoder_local", (Encoder(D, depth=1, num_heads=H, attention="local", window_size=2,
+                                    attention_kwargs={"num_kv_heads": 1}),
+                            _tokens, LOCAL_LENGTHS)
+    encoder = MultiModalEncoder(
+        {"text": adapters.TextTokenEmbedder(50, D), "image": _image_adapter()},
+        D, depth=1, num_heads=H,
+    )
+    yield "multimodal", (encoder, _multimodal_inputs, LENGTHS)
+
+
+@pytest.mark.parametrize(("name", "case"), list(_dynamic_cases()),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_dynamic_true_fullgraph_four_lengths_one_capture(name, case):
+    """``dynamic=True, fullgraph=True``: four lengths and padding patterns, forward and
+    backward equal to eager, and the capture of the first length serves the other three."""
+    module, make, lengths = case
+    frames = _check(module, make, lengths, "aot_eager", dynamic=True)
+    assert frames[-1] == frames[0], f"recompiled: frames after each length {frames}"

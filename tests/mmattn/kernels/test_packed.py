@@ -383,9 +383,11 @@ def test_packed_calls_are_reported():
         MultiHeadAttention(E, H)(Tokens.from_packed(values, offsets).x)
     finally:
         remove()
-    packed = [r for r in records if r["path"] == "packed"]
-    assert len(packed) == 1 and packed[0]["q_lengths"] == LENS
+    packed = [r for r in records if r["path"] == "packed"]  # one record per bucket call
+    assert len(packed) == len(packed[0]["buckets"]) and packed[0]["q_lengths"] == LENS
     assert sum(n for n, _, _ in packed[0]["buckets"]) == sum(1 for n in LENS if n)
+    assert [r["bucket"] for r in packed] == list(range(len(packed)))
+    assert all(r["q"].shape[0] == n for r, (n, _, _) in zip(packed, packed[0]["buckets"]))
 
 
 def test_torch_compile_on_the_packed_path():
@@ -411,10 +413,12 @@ def test_explain_names_the_packed_path():
     from mmattn.debug import explain
 
     nt = Tokens.from_packed(torch.randn(9, E), torch.tensor([0, 2, 2, 9])).x
-    with fused_attn(True):  # plain SDPA per bucket: one record for the packed call
-        assert [call.path for call in explain(MultiHeadAttention(E, H), nt)] == ["packed"]
-    with fused_attn(False):  # the module's kernel per bucket: each bucket reports too
+    with fused_attn(True):  # plain SDPA per bucket: one record per bucket, with its backend
         calls = explain(MultiHeadAttention(E, H), nt)
-        assert calls[0].path == "packed" and {c.path for c in calls[1:]} == {"explicit"}
+        assert [call.path for call in calls] == ["packed"] and calls[0].fused
+        assert calls[0].q == (2, H, 7, E // H) and calls[0].backend == "flash"
+    with fused_attn(False):  # the module's kernel per bucket: it reports each bucket call
+        calls = explain(MultiHeadAttention(E, H), nt)
+        assert [c.path for c in calls] == ["explicit"] and not calls[0].fused
     calls = explain(LocalAttention(E, H, window_size=2), nt)
-    assert calls[0].path == "packed" and {c.path for c in calls[1:]} == {"local"}
+    assert [c.path for c in calls] == ["local"]
