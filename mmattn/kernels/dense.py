@@ -275,8 +275,9 @@ def softmax_attend(
     """The explicit path for any score function: softmax(scores + mask) v, and the weights.
 
     ``scores`` (..., i, j) may be overwritten when it is a contiguous buffer and nothing that
-    feeds it (``scores``, a float ``mask``: a learned bias) needs a gradient. A row with no allowed key is opened before the softmax and zeroed after.
-    Half-precision scores get a float32 softmax.
+    feeds it (``scores``, a float ``mask``: a learned bias) needs a gradient. A row with no
+    allowed key is opened before the softmax and zeroed after. Half-precision scores get a
+    float32 softmax.
 
     Shape:
         - scores: (..., i, j); v: (..., j, e_v); mask: broadcastable to (..., i, j)

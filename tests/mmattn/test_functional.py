@@ -104,3 +104,49 @@ def test_env_variable_forces_explicit_path():
     env = {"MMATTN_FUSED_ATTN": "0", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# --------------------------------------------------------------- learned biases (float masks)
+
+
+def _naive_biased(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + bias, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_a_learned_float_mask_gets_its_gradient(need_weights, fused):
+    """A relative-position bias is a float attn_mask that requires grad; q, k, v may not."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=gen) for _ in range(3))
+    bias = torch.randn(5, 5, generator=gen, requires_grad=True)
+    with fused_attn(fused):
+        out = scaled_dot_product_attention(q, k, v, attn_mask=bias, need_weights=need_weights)
+    out = out[0] if need_weights else out
+    want = _naive_biased(q, k, v, bias)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    weight = torch.randn(out.shape, generator=gen)
+    (got,) = torch.autograd.grad((out * weight).sum(), bias)
+    (ref,) = torch.autograd.grad((want * weight).sum(), bias)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_a_frozen_module_trains_its_learned_attn_mask(need_weights, fused):
+    from einops import rearrange
+
+    from mmattn import MultiHeadAttention
+
+    mha = MultiHeadAttention(8, 2).requires_grad_(False)
+    x = torch.randn(2, 5, 8)
+    bias = torch.randn(5, 5, requires_grad=True)
+    with fused_attn(fused):
+        out, _ = mha(x, attn_mask=bias, need_weights=need_weights)
+    q, k, v = (rearrange(p(x), "b l (h e) -> b h l e", h=2)
+               for p in (mha.q_proj, mha.k_proj, mha.v_proj))
+    want = mha.out_proj(rearrange(_naive_biased(q, k, v, bias), "b h l e -> b l (h e)"))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    (got,) = torch.autograd.grad(out.square().sum(), bias)
+    (ref,) = torch.autograd.grad(want.square().sum(), bias)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
