@@ -126,30 +126,19 @@ class _Cache:
         if k.device != self.device:
             raise ValueError(f"cache is on device {self.device}, got {name} on {k.device}")
 
-    def check_room(self, new: int) -> int:
-        """Eagerly: the current length, after checking that ``new`` more tokens fit."""
+    def check_room(self, new: int) -> int | None:
+        """The current length, after checking that ``new`` more tokens fit. Compiled, an
+        in-graph assertion (``torch._check`` takes no tensor; reading it breaks the graph)."""
+        if _compiling():  # RuntimeError rather than a write past the buffers
+            torch._assert_async(self.size + new <= self.max_len, f"cache is full: {new} more "
+                                f"token(s) do not fit max_len={self.max_len}; make a larger cache")
+            return None
         length = int(self.size)
         if length + new > self.max_len:
-            raise ValueError(
-                f"cache is full: it holds {length} of max_len={self.max_len} tokens and "
-                f"cannot take {new} more; make a larger cache (make_cache(batch_size, "
-                f"max_len)) or reset() it"
-            )
+            raise ValueError(f"cache is full: it holds {length} of max_len={self.max_len} "
+                             f"tokens and cannot take {new} more; make a larger cache "
+                             f"(make_cache(batch_size, max_len)) or reset() it")
         return length
-
-    def check_room_compiled(self, new: int) -> None:
-        """Compiled: the same check as :meth:`check_room`, without reading the counter.
-
-        The counter is a tensor, and reading it (``int``/``.item()``) would break the graph;
-        ``torch._check`` takes only a (Sym)bool, so its tensor form ``torch._assert_async``
-        runs inside the graph: the compiled step raises RuntimeError instead of writing past
-        the buffers.
-        """
-        torch._assert_async(
-            self.size + new <= self.max_len,
-            f"cache is full: {new} more token(s) do not fit max_len={self.max_len}; make a "
-            f"larger cache (make_cache(batch_size, max_len)) or reset() it",
-        )
 
     def __repr__(self) -> str:
         return (
@@ -212,7 +201,7 @@ class KVCache(_Cache):
         self.check_step("keys", k, v)
         new = k.shape[2]
         if _compiling():
-            self.check_room_compiled(new)
+            self.check_room(new)
             positions = self.size + torch.arange(new, device=self.device)
             self.k.index_copy_(2, positions, k)
             self.v.index_copy_(2, positions, v)
@@ -284,10 +273,7 @@ class LocalKVCache(_Cache):
         """
         self.check_step("keys", k, v)
         new, window = k.shape[2], self.window_size
-        if _compiling():
-            self.check_room_compiled(new)
-        else:
-            self.check_room(new)
+        self.check_room(new)
         query_pos = self.size + torch.arange(new, device=self.device)  # (i,)
         keys = torch.cat([self.k, k], dim=2)
         values = torch.cat([self.v, v], dim=2)
