@@ -114,7 +114,8 @@ def graph_accuracy(model: nn.Module, graphs, device) -> float:
     from torch_geometric.data import Batch
 
     batch = Batch.from_data_list(graphs).to(device)
-    return float((model(batch).argmax(-1) == batch.y).float().mean())
+    correct = int((model(batch).argmax(-1) == batch.y).sum())
+    return correct / len(graphs)  # exact: a float32 mean puts 360/400 just below 0.9
 
 
 def save_attention_picture(model: GraphClassifier, data, node: int, path: Path) -> None:
