@@ -139,3 +139,20 @@ def dense_allowed(
             (rows, cols), kernel, dilation=dilation, device=device
         )
     return out
+
+
+def check_exportable(grid: object, grid_start: object, length: object) -> None:
+    """Raise (at export time) for what NeighborhoodAttention cannot trace with a symbolic
+    batch: the tile plan is built in Python from static sizes, so the length (fixed by the
+    grid), the grid and grid_start must be plain ints, one for every item."""
+    if not isinstance(length, int):
+        raise NotImplementedError(
+            "NeighborhoodAttention exports with a dynamic batch only: the length is fixed by "
+            f"the grid (num_global_tokens + rows * cols), got a symbolic length {length}; "
+            "mark only dim 0 dynamic"
+        )
+    if is_grid_list(grid) or isinstance(grid_start, (Sequence, Tensor)):
+        raise NotImplementedError(
+            "NeighborhoodAttention exports with a dynamic batch only for one grid (rows, cols) "
+            "and one int grid_start for every item; per-item grids do not export"
+        )

@@ -20,7 +20,12 @@ from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn._helpers import default
-from mmattn.attention._neighborhood_geometry import check_geometry, dense_allowed, grid_from_meta
+from mmattn.attention._neighborhood_geometry import (
+    check_exportable,
+    check_geometry,
+    dense_allowed,
+    grid_from_meta,
+)
 from mmattn.attention._packed_checks import check_packed, check_values
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels._neighborhood_plan import build_plan
@@ -301,6 +306,9 @@ class NeighborhoodAttention(MultiHeadAttention):
             )
         batch = query.shape[1 - seq_dim] if batched else 1
         grid, grid_start = self._call_geometry or (None, None)
+        if not isinstance(batch, int) or not isinstance(length, int):
+            check_exportable(grid, grid_start, length)
+            batch = 1  # one grid for every item: checking one item checks them all
         self._call_geometry = check_geometry(
             grid, grid_start, [length] * batch, self.num_global_tokens, packed=False
         )

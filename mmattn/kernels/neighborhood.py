@@ -36,7 +36,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from mmattn._helpers import exporting
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels._neighborhood_export import export_attend as _export_attend
 from mmattn.kernels._neighborhood_plan import (
     TILE_CHOICES,
     Item,
@@ -293,13 +295,28 @@ def neighborhood_attend(
     """
     batch, heads, length, _ = q.shape
     items = padded_items(
-        batch, length, grid, num_global_tokens=num_global_tokens, grid_start=grid_start
+        batch if isinstance(batch, int) and not exporting() else 1, length, grid,
+        num_global_tokens=num_global_tokens, grid_start=grid_start,
     )
     if _kernel.reporting():
         _kernel.report(
             "neighborhood", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v,
             mask=key_mask, dropout_p=dropout_p, is_causal=False, scale=scale,
             kernel_size=kernel_size, dilation=dilation, num_global_tokens=num_global_tokens,
+        )
+    if exporting() or not isinstance(batch, int):  # symbolic batch: one item's plan
+        if need_weights:
+            raise NotImplementedError(
+                "NeighborhoodAttention does not export need_weights=True; export without it"
+            )
+        if isinstance(grid, list) or isinstance(grid_start, (list, tuple, Tensor)):
+            raise NotImplementedError(
+                "NeighborhoodAttention exports only one grid (rows, cols) and one int "
+                "grid_start for every item, not per-item lists"
+            )
+        return _export_attend(
+            q, k, v, items[0], tuple(kernel_size), tuple(dilation), tiles, key_mask,
+            dropout_p=dropout_p, scale=scale,
         )
     if batch == 0 or length == 0:
         return _kernel.attend(q, k, v, None, need_weights=need_weights, report_path=False)

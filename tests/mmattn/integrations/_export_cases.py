@@ -24,6 +24,7 @@ from mmattn import (
     LocalAttention,
     MultiHeadAttention,
     MultiModalEncoder,
+    NeighborhoodAttention,
     Tokens,
     TransformerBlock,
 )
@@ -76,6 +77,9 @@ class Case:
     #: Where fully masked query rows must give zeros (of the attention result): a function
     #: of (output leaves, module, inputs) returning (got, expected) pairs.
     attention: bool = False
+    #: A length fixed by the module (NeighborhoodAttention: the grid's): only the batch is
+    #: dynamic and ``inputs(b, n)`` ignores n.
+    length: int | None = None
 
     def __repr__(self) -> str:
         return self.name
@@ -107,6 +111,23 @@ def local_causal_gqa() -> nn.Module:
 
 def additive() -> nn.Module:
     return AdditiveAttention(D, H)
+
+
+def _neighborhood(name: str, global_tokens: int) -> Case:
+    """NeighborhoodAttention on a 5 × 6 grid: the length is the grid's, the batch dynamic."""
+    length = global_tokens + 5 * 6
+    return Case(
+        name,
+        lambda: NeighborhoodAttention(D, 2, 3, num_global_tokens=global_tokens),
+        lambda b, n: (
+            (torch.randn(b, length, D),), {"key_padding_mask": padding(b, length), "grid": (5, 6)}
+        ),
+        lambda args, kwargs: {
+            "query": {0: BATCH}, "key_padding_mask": {0: BATCH}, "grid": (None, None)
+        },
+        attention=True,
+        length=length,
+    )
 
 
 def _cross_inputs(b: int, n: int) -> tuple[tuple, dict]:
@@ -142,6 +163,8 @@ CASES = [
     _self_attention(local),
     _self_attention(local_causal_gqa),
     _self_attention(additive),
+    _neighborhood("neighborhood", 0),
+    _neighborhood("neighborhood_global", 1),
     _tokens_case("block", lambda: TransformerBlock(D, 2)),
     _tokens_case("encoder_local", lambda: Encoder(D, 2, 2, attention="local", window_size=3)),
     Case(
@@ -195,8 +218,9 @@ def leaves(out: Any) -> list[Any]:
 
 
 def input_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors an exported program takes, in its order (as ONNX lists its inputs)."""
-    return [leaf for leaf in pytree.tree_leaves((args, kwargs)) if leaf is not None]
+    """The tensors an exported program takes, in its order (as ONNX lists its inputs); plain
+    ints (a static grid) are constants of the program, not inputs."""
+    return [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
 
 
 def dead_rows(case: Case, module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ REASON = "needs the onnx extra: pip install 'mmattn[onnx]'"
 #: The cases with SDPA inside: opset 23 lowers it to ONNX Attention. The others (additive
 #: scores, adapters) have no attention op to lower; for them opset 23 changes nothing else.
 SDPA_CASES = {"mha", "mha_cross_gqa", "local", "local_causal_gqa", "block", "encoder_local",
-              "multimodal"}
+              "multimodal", "neighborhood", "neighborhood_global"}
 
 
 def params(cases) -> list:
@@ -105,7 +105,7 @@ def check_equals_eager(converted, size) -> None:
             assert g.dim() == 0 and int(g) == w
     if case.attention:  # the fully padded sample: zero attention, out_proj.bias alone
         torch.testing.assert_close(
-            dead_rows(case, module, args, kwargs, got[0]), torch.zeros(size[1], 16),
+            dead_rows(case, module, args, kwargs, got[0]), torch.zeros(case.length or size[1], 16),
             atol=1e-6, rtol=0,
         )
 

@@ -1,0 +1,99 @@
+"""The traceable form of :func:`mmattn.kernels.neighborhood.neighborhood_attend`.
+
+While ``torch.export`` traces (batch symbolic), the tile plan of ONE item is built in plain
+Python and eager torch from the static sizes (grid, kernel, dilation, length) outside the
+trace, so it enters the program as constant index tensors: no guard on data. Every item of
+the batch shares that plan; gathers run along the token axis, tiles of all items are one
+batched attention call (:func:`mmattn.kernels.dense.attend`, whose dead-row rule exports).
+
+Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``l`` tokens, ``e`` head
+width, ``n`` tiles of an item, ``s`` query slots, ``t`` key slots, ``g`` / ``j`` global
+queries / keys of an item.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from mmattn.kernels import dense as _kernel
+from mmattn.kernels._neighborhood_plan import Item, Plan, build_plan
+
+
+@contextlib.contextmanager
+def _outside_trace():
+    """Run eager torch on real tensors while a tracer is active (results become constants)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+def static_plan(
+    item: Item, kernel: tuple[int, int], dilation: tuple[int, int], tiles: tuple[int, int],
+    device: torch.device,
+) -> Plan:
+    """The plan of one item (offset 0) built outside any trace."""
+    with _outside_trace():
+        return build_plan(item.length, (item,), kernel, dilation, tiles, device)
+
+
+def _merge(allowed: Tensor, key_rows: Tensor | None) -> Tensor:
+    if key_rows is None:
+        return allowed
+    if key_rows.dtype == torch.bool:
+        return allowed & key_rows
+    return torch.where(allowed, key_rows, float("-inf"))
+
+
+def export_attend(
+    q: Tensor, k: Tensor, v: Tensor, item: Item, kernel: tuple[int, int],
+    dilation: tuple[int, int], tiles: tuple[int, int] | None, key_mask: Tensor | None, *,
+    dropout_p: float = 0.0, scale: float | None = None,
+) -> tuple[Tensor, None]:
+    """Neighbourhood attention of a padded batch whose items share ``item``'s geometry.
+
+    Shape:
+        - q: (b, h, l, e); k, v: (b, k, l, e); key_mask: (b, l) bool (True = real) or float
+        - returns: (b, h, l, e) and None
+    """
+    from mmattn.kernels.neighborhood import choose_tiles
+
+    with _outside_trace():
+        tiles = tiles or choose_tiles((item,), kernel, dilation)
+    plan = static_plan(item, kernel, dilation, tiles, q.device)
+    n, slots, keys = plan.allowed.shape
+    qz, kz, vz = (F.pad(t, (0, 0, 0, 1)) for t in (q, k, v))  # the zero row at index l
+    km = None
+    if key_mask is not None:
+        fill = False if key_mask.dtype == torch.bool else float("-inf")
+        km = torch.cat([key_mask, key_mask.new_full((key_mask.shape[0], 1), fill)], dim=1)
+    qt = rearrange(qz.index_select(2, plan.q_index), "b h (n s) e -> (b n) h s e", n=n)
+    kt = rearrange(kz.index_select(2, plan.k_index), "b k (n t) e -> (b n) k t e", n=n)
+    vt = rearrange(vz.index_select(2, plan.k_index), "b k (n t) e -> (b n) k t e", n=n)
+    batch = q.shape[0]
+    km_t = None
+    if km is not None:
+        km_t = rearrange(km.index_select(1, plan.k_index), "b (n t) -> b n 1 t", n=n)
+    mask = _merge(plan.allowed[None], km_t)  # (b or 1, n, s, t)
+    mask = rearrange(mask.expand(batch, n, slots, keys), "b n s t -> (b n) 1 s t")
+    out_t, _ = _kernel.attend(qt, kt, vt, mask, dropout_p=dropout_p, scale=scale,
+                              report_path=False)
+    parts = [rearrange(out_t, "(b n) h s e -> b h (n s) e", b=batch)]
+    if plan.gq_index.numel():  # the item's global queries attend every live key
+        gq = qz.index_select(2, plan.gq_index[0])
+        gk = kz.index_select(2, plan.gk_index[0])
+        gv = vz.index_select(2, plan.gk_index[0])
+        gm = plan.gk_valid[:, None, None, :]  # (1, 1, 1, j)
+        if km is not None:
+            gm = _merge(gm, km.index_select(1, plan.gk_index[0])[:, None, None, :])
+        out_g, _ = _kernel.attend(gq, gk, gv, gm, dropout_p=dropout_p, scale=scale,
+                                  report_path=False)
+        parts.append(out_g)
+    parts.append(out_t.new_zeros(batch, q.shape[1], 1, v.shape[-1]))
+    return torch.cat(parts, dim=2).index_select(2, plan.pick), None
