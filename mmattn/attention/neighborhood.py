@@ -19,7 +19,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn._helpers import default
+from mmattn._helpers import default, exporting
 from mmattn.attention._neighborhood_geometry import (
     check_exportable,
     check_geometry,
@@ -322,9 +322,11 @@ class NeighborhoodAttention(MultiHeadAttention):
         key_mask = None
         if mask is not None:
             if mask.shape[-2] != 1 or mask.shape[-3] != 1:  # an attn_mask: dense fallback
+                # one grid for all (always so while exporting): one (1, 1, l, l) pattern
+                same = exporting() and not isinstance(grid, list)
                 allowed = dense_allowed(
-                    grid, grid_start, q.shape[0], q.shape[2], self.kernel_size, self.dilation,
-                    self.num_global_tokens, q.device,
+                    grid, grid_start, 1 if same else q.shape[0], q.shape[2], self.kernel_size,
+                    self.dilation, self.num_global_tokens, q.device,
                 )
                 if mask.dtype == torch.bool:
                     mask = mask & allowed

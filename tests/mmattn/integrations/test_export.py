@@ -190,3 +190,45 @@ def test_edge_attention_refuses_to_export_clearly():
         torch.export.export(
             EdgeAttention(16, 4).eval(), (torch.randn(2, 5, 16),), {"edge_index": edge_index}
         )
+
+
+# ---------------------------------------------------------------------- NeighborhoodAttention
+
+
+def _neighborhood_export(kwargs, shapes):
+    from mmattn import NeighborhoodAttention
+
+    torch.manual_seed(0)
+    module = NeighborhoodAttention(16, 2, 3).eval()
+    program = torch.export.export(module, (torch.randn(3, 30, 16),), kwargs, dynamic_shapes=shapes)
+    return module, program
+
+
+@pytest.mark.parametrize(
+    "kwargs, shapes, match",
+    [
+        ({"grid": (5, 6)}, {"query": {0: Dim("b"), 1: Dim("l")}, "grid": (None, None)},
+         "dynamic batch only: the length is fixed by the grid"),
+        ({"grid": [(5, 6)] * 3}, {"query": {0: Dim("b")}, "grid": [(None, None)] * 3},
+         "per-item grids do not export"),
+        ({"grid": [(5, 6)] * 3}, None, "not per-item lists"),
+        ({"grid": (5, 6), "need_weights": True}, None, "does not export need_weights=True"),
+    ],
+    ids=["dynamic_length", "grid_list", "grid_list_static", "need_weights"],
+)
+def test_neighborhood_refuses_what_it_cannot_export(kwargs, shapes, match):
+    with pytest.raises(NotImplementedError, match=match):
+        _neighborhood_export(kwargs, shapes)
+
+
+def test_neighborhood_attn_mask_exports_with_dynamic_batch():
+    mask = torch.rand(30, 30) > 0.3
+    module, program = _neighborhood_export(
+        {"grid": (5, 6), "attn_mask": mask},
+        {"query": {0: Dim("b")}, "grid": (None, None), "attn_mask": None},
+    )
+    x = torch.randn(5, 30, 16)
+    with torch.no_grad():
+        want = module(x, grid=(5, 6), attn_mask=mask)[0]
+        got = program.module()(x, grid=(5, 6), attn_mask=mask)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
