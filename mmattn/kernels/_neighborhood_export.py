@@ -53,7 +53,7 @@ def _merge(allowed: Tensor, key_rows: Tensor | None) -> Tensor:
 
 def export_attend(
     q: Tensor, k: Tensor, v: Tensor, item: Item, kernel: tuple[int, int],
-    dilation: tuple[int, int], tiles: tuple[int, int] | None, key_mask: Tensor | None, *,
+    dilation: tuple[int, int], tiles: tuple[int, int], key_mask: Tensor | None, *,
     dropout_p: float = 0.0, scale: float | None = None,
 ) -> tuple[Tensor, None]:
     """Neighbourhood attention of a padded batch whose items share ``item``'s geometry.
@@ -62,10 +62,6 @@ def export_attend(
         - q: (b, h, l, e); k, v: (b, k, l, e); key_mask: (b, l) bool (True = real) or float
         - returns: (b, h, l, e) and None
     """
-    from mmattn.kernels.neighborhood import choose_tiles
-
-    with _outside_trace():
-        tiles = tiles or choose_tiles((item,), kernel, dilation)
     plan = static_plan(item, kernel, dilation, tiles, q.device)
     n, slots, keys = plan.allowed.shape
     qz, kz, vz = (F.pad(t, (0, 0, 0, 1)) for t in (q, k, v))  # the zero row at index l

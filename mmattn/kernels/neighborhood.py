@@ -314,8 +314,10 @@ def neighborhood_attend(
                 "NeighborhoodAttention exports only one grid (rows, cols) and one int "
                 "grid_start for every item, not per-item lists"
             )
+        kernel, dil = tuple(kernel_size), tuple(dilation)
+        tiles = tiles or choose_tiles(items[:1], kernel, dil)  # plain Python on ints
         return _export_attend(
-            q, k, v, items[0], tuple(kernel_size), tuple(dilation), tiles, key_mask,
+            q, k, v, items[0], kernel, dil, tiles, key_mask,
             dropout_p=dropout_p, scale=scale,
         )
     if batch == 0 or length == 0:
