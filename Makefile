@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 EXTRAS ?= all,dev
-PYTEST_ARGS ?=
+# Two workers (the CI machine has 2 cores); loadfile keeps a file's module fixtures on one worker.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 .PHONY: install test lint demo bench docs clean
 
