@@ -23,7 +23,8 @@ lint: $(STAMP)
 
 # The suite runs with the fused-attention switch both ways; the second run skips the
 # examples, which do not depend on the switch beyond what tests/mmattn covers, and the
-# slow tests (the inductor sweep; the aot_eager sweep still compiles the explicit path).
+# slow tests (the inductor sweep, the ONNX Runtime and transformers model files; the aot_eager
+# sweep still compiles the explicit path).
 test: $(STAMP) lint
 	MMATTN_FUSED_ATTN=1 $(PY) -m pytest $(PYTEST_ARGS)
 	MMATTN_FUSED_ATTN=0 $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests/mmattn tests/adapters

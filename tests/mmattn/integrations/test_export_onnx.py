@@ -17,6 +17,11 @@ onnx_checks.skip_without_onnx()
 from mmattn import MultiHeadAttention  # noqa: E402
 from mmattn.integrations.export import DecodeStep  # noqa: E402
 
+# ONNX Runtime round trips: seconds each, so the explicit pass of `make test`
+# (-m "not slow") skips them;
+# the fused pass runs them, and each path of theirs is checked with MMATTN_FUSED_ATTN=0 by hand.
+pytestmark = pytest.mark.slow
+
 LAYERS = [c for c in CASES if c.attention]
 STEPS = 16
 

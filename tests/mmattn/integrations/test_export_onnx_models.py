@@ -12,6 +12,11 @@ import pytest
 from tests.mmattn.integrations import _export_onnx as onnx_checks
 from tests.mmattn.integrations._export_cases import CASES, SIZES
 
+# ONNX Runtime round trips: seconds each, so the explicit pass of `make test`
+# (-m "not slow") skips them;
+# the fused pass runs them, and each path of theirs is checked with MMATTN_FUSED_ATTN=0 by hand.
+pytestmark = pytest.mark.slow
+
 onnx_checks.skip_without_onnx()
 
 MODELS = [c for c in CASES if not c.attention]

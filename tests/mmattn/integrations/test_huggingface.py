@@ -21,6 +21,10 @@ transformers = pytest.importorskip("transformers")
 from mmattn.integrations import huggingface as hf  # noqa: E402
 from mmattn.kernels import dense as _kernel  # noqa: E402
 
+# transformers models: seconds each, so the explicit pass of `make test` (-m 'not slow') skips them;
+# the fused pass runs them, and each path of theirs is checked with MMATTN_FUSED_ATTN=0 by hand.
+pytestmark = pytest.mark.slow
+
 NAME = hf.register()
 TINY = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
