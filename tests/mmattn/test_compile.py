@@ -126,33 +126,6 @@ LENGTHS = (5, 7, 9, 12)
 LOCAL_LENGTHS = (33, 40, 47, 58)
 
 
-@pytest.mark.slow
-def test_inductor_encoder_four_lengths_at_most_one_recompile(device):
-    """Encoder -> TransformerBlock -> MultiHeadAttention under inductor, fwd + bwd."""
-    model = Encoder(D, depth=1, num_heads=H).to(device)
-
-    def make(length, seed):
-        (tokens,) = _tokens(length, seed)
-        return (tokens.to(device),)
-
-    frames = _check(model, make, LENGTHS, "inductor")
-    assert frames[-1] - frames[0] <= 1, f"recompiled: frames after each length {frames}"
-
-
-@pytest.mark.slow
-def test_inductor_local_attention_matches_eager(device):
-    """LocalAttention under inductor, forward at one length. Inductor needs minutes on two CPU
-    cores for its dynamic-shape and backward graphs, so those are checked under aot_eager
-    below (the same Dynamo capture, hence the same recompilation guards), and
-    benchmarks/compile.py runs inductor fwd + bwd and compares it with eager."""
-    model = _KeyPadding(LocalAttention(D, H, window_size=3).to(device))
-    compiled = torch.compile(model, fullgraph=True)
-    x, real = _x(LOCAL_LENGTHS[0], 0).to(device), _padding(2, LOCAL_LENGTHS[0], 0).to(device)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x, real)[0], model(x, real)[0], atol=2e-5,
-                                   rtol=1e-4)
-
-
 def test_blocks_dynamic_true_never_recompile():
     model = Encoder(D, depth=1, num_heads=H)
     frames = _check(model, _tokens, LENGTHS, "aot_eager", dynamic=True)
@@ -282,28 +255,6 @@ def test_adapters_fullgraph_match_eager(name, case):
 def test_aot_eager_fullgraph_matches_eager(name, case):
     module, make, lengths = case
     _check(module, make, lengths, "aot_eager")
-
-
-# --- inductor sweep: the same modules under the default backend ------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "case"), list(_cases()), ids=lambda v: v
-                         if isinstance(v, str) else "")
-def test_inductor_fullgraph_matches_eager(name, case):
-    """Every public module under the default inductor backend, forward and backward, at one
-    length (about 2 minutes for the whole sweep on 2 CPU cores with a cold cache)."""
-    module, make, lengths = case
-    _check(module, make, lengths[:1], "inductor")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "case"), [c for c in _adapter_cases()
-                                            if c[0] not in NO_FULLGRAPH],
-                         ids=lambda v: v if isinstance(v, str) else "")
-def test_adapters_inductor_fullgraph_match_eager(name, case):
-    adapter, make = case
-    _check(adapter, make, (6,), "inductor")
 
 
 # --- dynamic=True on every layer and block: one capture for four lengths --------------
