@@ -2,6 +2,8 @@
 
 The machine these run on is shared and noisy, so contenders are never timed in separate
 blocks: every repeat runs each contender once, in a shuffled order, and we report medians.
+Peak memory is measured apart, one contender per fresh child process
+(:func:`child_peak_memory`, :func:`peak_rss_growth`).
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -146,3 +150,44 @@ def write_docs(name: str, body: str, *, device: str = "cpu", page: str = "perfor
     path.write_text(text, encoding="utf-8")
     print(f"wrote the {name} table into {path}")
     return path
+
+
+def _proc_status(field: str) -> int:
+    """Bytes of one ``/proc/self/status`` field (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_rss_growth(call: Callable[[], object]) -> int:
+    """Bytes the process's peak RSS grows over one ``call()`` (Linux).
+
+    The peak (``VmHWM``) is reset first through ``/proc/self/clear_refs``, so what earlier
+    calls held does not count. Run it in a fresh child (:func:`child_peak_memory`): one
+    contender per process, its warm-up done before.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _proc_status("VmRSS")
+    call()
+    return _proc_status("VmHWM") - base
+
+
+def print_child_peak(peak: int) -> None:
+    """The child's answer to :func:`child_peak_memory`: one JSON line on stdout."""
+    print(json.dumps({"peak": peak}))
+
+
+def child_peak_memory(script: str, args: list[str], label: str) -> int | None:
+    """Bytes of peak RSS growth reported by ``python script --child *args``; None (and a
+    printed reason) where the child failed."""
+    result = subprocess.run(
+        [sys.executable, script, "--child", *args], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        print(f"  memory child {label} failed: {result.stderr[-300:]}")
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])["peak"]
+

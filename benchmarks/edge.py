@@ -25,10 +25,8 @@ Peak memory is the growth of a fresh child process's peak RSS (VmHWM, reset thro
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,8 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     add_docs_argument,
+    child_peak_memory,
     interleaved_samples,
     markdown_table,
+    peak_rss_growth,
+    print_child_peak,
     write_docs,
 )
 
@@ -93,35 +94,19 @@ def fwd_bwd(fn, x: torch.Tensor) -> None:
 def child(name: str, n: int) -> None:
     """Peak RSS growth of one fwd+bwd call of one contender; print JSON."""
 
-    def status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(field)
-
     torch.set_num_threads(1)
     small = random_graph(512, seed=1)
     fwd_bwd(build(name, 512, small), torch.randn(512, EMBED, requires_grad=True))
     edge_index = random_graph(n)
     fn = build(name, n, edge_index)
     x = torch.randn(n, EMBED, requires_grad=True)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = status("VmRSS")
-    fwd_bwd(fn, x)
-    print(json.dumps({"peak": status("VmHWM") - base}))
+    print_child_peak(peak_rss_growth(lambda: fwd_bwd(fn, x)))
 
 
 def peak_memory(name: str, n: int) -> float | None:
     """MiB of peak RSS growth, measured in a fresh child; None where it failed."""
-    result = subprocess.run(
-        [sys.executable, __file__, "--child", name, str(n)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        print(f"  memory child {name} N={n} failed: {result.stderr[-300:]}")
-        return None
-    return json.loads(result.stdout.strip().splitlines()[-1])["peak"] / MIB
+    peak = child_peak_memory(__file__, [name, str(n)], f"{name} N={n}")
+    return None if peak is None else peak / MIB
 
 
 def measure(names: list[str], n: int, repeats: int) -> dict[str, float]:

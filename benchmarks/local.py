@@ -24,10 +24,8 @@ call, measured after a warm-up; ``flex`` is not memory-measured (each child woul
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,8 +36,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     add_docs_argument,
+    child_peak_memory,
     interleaved_medians,
     markdown_table,
+    peak_rss_growth,
+    print_child_peak,
     write_docs,
 )
 
@@ -128,36 +129,19 @@ def run_once(fn, x: torch.Tensor, mode: str) -> None:
 def child(name: str, length: int, mode: str) -> None:
     """Measure one contender's peak RSS growth over one call; print JSON."""
 
-    def status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(field)
-
     torch.manual_seed(0)
     fn = build(length, [name])[name]
     x = torch.randn(1, length, EMBED, requires_grad=mode == "fwd+bwd")
     warm = torch.randn(1, 512, EMBED, requires_grad=mode == "fwd+bwd")
     if name != "dense":  # dense's mask is built for `length`
         run_once(fn, warm, mode)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = status("VmRSS")
-    run_once(fn, x, mode)
-    print(json.dumps({"peak": status("VmHWM") - base}))
+    print_child_peak(peak_rss_growth(lambda: run_once(fn, x, mode)))
 
 
 def peak_memory(name: str, length: int, mode: str) -> float | None:
     """GiB of peak RSS growth, measured in a fresh child; None where it failed."""
-    result = subprocess.run(
-        [sys.executable, __file__, "--child", name, str(length), mode],
-        capture_output=True, text=True,
-    )
-    if result.returncode != 0:
-        print(f"  memory child {name} L={length} {mode} failed: {result.stderr[-300:]}")
-        return None
-    return json.loads(result.stdout.strip().splitlines()[-1])["peak"] / GIB
+    peak = child_peak_memory(__file__, [name, str(length), mode], f"{name} L={length} {mode}")
+    return None if peak is None else peak / GIB
 
 
 def main() -> None:

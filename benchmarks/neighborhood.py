@@ -26,10 +26,8 @@ fwd+bwd call after a warm-up, as in benchmarks/local.py.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -41,8 +39,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
     add_docs_argument,
+    child_peak_memory,
     interleaved_samples,
     markdown_table,
+    peak_rss_growth,
+    print_child_peak,
     write_docs,
 )
 
@@ -152,35 +153,18 @@ def run_once(fn, x: torch.Tensor, mode: str) -> None:
 def child(name: str, side: int, mode: str) -> None:
     """Measure one contender's peak RSS growth over one call; print JSON."""
 
-    def status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(field)
-
     torch.set_num_threads(1)
     fn = build(side, [name])[0][name]
     x = torch.randn(1, side * side, EMBED, requires_grad=mode == "fwd+bwd")
     if name == "ours":  # warm the allocator and the plan cache (dense's mask is per size)
         run_once(fn, x, mode)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = status("VmRSS")
-    run_once(fn, x, mode)
-    print(json.dumps({"peak": status("VmHWM") - base}))
+    print_child_peak(peak_rss_growth(lambda: run_once(fn, x, mode)))
 
 
 def peak_memory(name: str, side: int, mode: str) -> float | None:
     """GiB of peak RSS growth, measured in a fresh child; None where it failed."""
-    result = subprocess.run(
-        [sys.executable, __file__, "--child", name, str(side), mode],
-        capture_output=True, text=True,
-    )
-    if result.returncode != 0:
-        print(f"  memory child {name} {side}² {mode} failed: {result.stderr[-300:]}")
-        return None
-    return json.loads(result.stdout.strip().splitlines()[-1])["peak"] / GIB
+    peak = child_peak_memory(__file__, [name, str(side), mode], f"{name} {side}² {mode}")
+    return None if peak is None else peak / GIB
 
 
 def attempt(calls: dict, refused: dict, x: torch.Tensor, mode: str) -> None:
