@@ -59,12 +59,19 @@ def test_inductor_local_attention_matches_eager(device):
 # --- inductor sweep: the same modules under the default backend ------------------------
 
 
+#: Modules whose every layer another inductor case already compiles: the Encoder and its
+#: full TransformerBlock (test_inductor_encoder_four_lengths_at_most_one_recompile),
+#: CrossAttention (inside CrossAttentionBlock), the latent MultiModalEncoder (the concat
+#: one's layers plus cross-attention). The aot_eager sweep still takes them all.
+ELSEWHERE = {"encoder", "block_full", "cross", "multimodal_latent"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "case"), list(_cases()), ids=lambda v: v
-                         if isinstance(v, str) else "")
+@pytest.mark.parametrize(("name", "case"), [c for c in _cases() if c[0] not in ELSEWHERE],
+                         ids=lambda v: v if isinstance(v, str) else "")
 def test_inductor_fullgraph_matches_eager(name, case):
     """Every public module under the default inductor backend, forward and backward, at one
-    length (about 2 minutes for the whole sweep on 2 CPU cores with a cold cache)."""
+    length (about 1.5 minutes for the whole sweep on 2 CPU cores with a cold cache)."""
     module, make, lengths = case
     _check(module, make, lengths[:1], "inductor")
 
