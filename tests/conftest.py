@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmattn.functional import fused_attn
+
 # Inductor compiles C++ in a pool of worker processes by default. Under two pytest workers
 # on two cores the pool only adds its start-up: one thread took about a third less CPU per
 # compile of test_compile.py's inductor cases.
@@ -25,3 +27,35 @@ def device(request) -> str:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+#: Files of a minute or more (on 2 cores, inductor's cache cold), longest first. ``make
+#: test`` runs two xdist workers that take files whole (``--dist loadfile``) in collection
+#: order: these go first, so that the short files fill in around them and no worker ends
+#: alone on a long one.
+LONG_FILES = (
+    "test_compile_inductor.py", "test_compile_dynamic.py", "test_compile.py",
+    "test_export_onnx.py", "test_export_onnx_models.py", "test_sequence_parallel.py",
+)
+
+
+def _pins_path(item: pytest.Item) -> bool:
+    """A test run for ``fused`` True and False in a module that pins the attention path with
+    ``mmattn.functional.fused_attn``: it takes both paths whatever MMATTN_FUSED_ATTN says."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    module = getattr(item, "module", None)
+    return "fused" in params and getattr(module, "fused_attn", None) is fused_attn
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``pins_path`` (the second pass of ``make test``, MMATTN_FUSED_ATTN=0, would run
+    them again unchanged: it skips them) and put the long files first."""
+    for item in items:
+        if _pins_path(item):
+            item.add_marker(pytest.mark.pins_path)
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: the order within a file and among the rest is kept
