@@ -68,10 +68,10 @@ ELSEWHERE = {"encoder", "block_full", "cross", "multimodal_latent"}
 
 
 #: Sweep cases whose backward graph inductor also builds. The others are compared forward
-#: only: with a cold cache their backward graphs doubled the sweep's time (about 8 minutes
-#: of one core), while the aot_eager sweep checks every module's gradients through the same
-#: captured graphs and the Encoder test above runs inductor's backward of the fused path.
-#: ``mha_weights`` adds the explicit path's backward.
+#: only, to keep CI under 15 minutes with a cold inductor cache (the inductor file was the
+#: suite's longest, 8 minutes of one worker); the aot_eager sweep checks every module's
+#: gradients through the same captured graphs and the Encoder test above runs inductor's
+#: backward of the fused path. ``mha_weights`` adds the explicit path's backward.
 BACKWARD = {"mha_weights"}
 
 
