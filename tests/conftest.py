@@ -29,14 +29,11 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-#: Files of a minute or more (on 2 cores, inductor's cache cold), longest first. ``make
-#: test`` runs two xdist workers that take files whole (``--dist loadfile``) in collection
-#: order: these go first, so that the short files fill in around them and no worker ends
-#: alone on a long one.
-LONG_FILES = (
-    "test_compile_inductor.py", "test_compile_dynamic.py", "test_compile.py",
-    "test_export_onnx.py", "test_export_onnx_models.py", "test_sequence_parallel.py",
-)
+#: The longest file (inductor compiles C++; minutes with a cold cache on 2 cores). ``make
+#: test`` runs two xdist workers that take files whole (``--dist loadfile``), handing them
+#: out in collection order: it goes first, so that the other files fill in around it instead
+#: of one worker ending alone on it.
+LONG_FILES = ("test_compile_inductor.py",)
 
 
 def _pins_path(item: pytest.Item) -> bool:
