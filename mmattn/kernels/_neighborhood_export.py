@@ -21,7 +21,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn.kernels import dense as _kernel
-from mmattn.kernels._neighborhood_plan import Item, Plan, build_plan
+from mmattn.kernels._neighborhood_plan import Item, Plan, build_plan, merge_key_mask
 
 
 @contextlib.contextmanager
@@ -41,14 +41,6 @@ def static_plan(
     """The plan of one item (offset 0) built outside any trace."""
     with _outside_trace():
         return build_plan(item.length, (item,), kernel, dilation, tiles, device)
-
-
-def _merge(allowed: Tensor, key_rows: Tensor | None) -> Tensor:
-    if key_rows is None:
-        return allowed
-    if key_rows.dtype == torch.bool:
-        return allowed & key_rows
-    return torch.where(allowed, key_rows, float("-inf"))
 
 
 def export_attend(
@@ -76,7 +68,7 @@ def export_attend(
     km_t = None
     if km is not None:
         km_t = rearrange(km.index_select(1, plan.k_index), "b (n t) -> b n 1 t", n=n)
-    mask = _merge(plan.allowed[None], km_t)  # (b or 1, n, s, t)
+    mask = merge_key_mask(plan.allowed[None], km_t)  # (b or 1, n, s, t)
     mask = rearrange(mask.expand(batch, n, slots, keys), "b n s t -> (b n) 1 s t")
     out_t, _ = _kernel.attend(qt, kt, vt, mask, dropout_p=dropout_p, scale=scale,
                               report_path=False)
@@ -87,7 +79,7 @@ def export_attend(
         gv = vz.index_select(2, plan.gk_index[0])
         gm = plan.gk_valid[:, None, None, :]  # (1, 1, 1, j)
         if km is not None:
-            gm = _merge(gm, km.index_select(1, plan.gk_index[0])[:, None, None, :])
+            gm = merge_key_mask(gm, km.index_select(1, plan.gk_index[0])[:, None, None, :])
         out_g, _ = _kernel.attend(gq, gk, gv, gm, dropout_p=dropout_p, scale=scale,
                                   report_path=False)
         parts.append(out_g)

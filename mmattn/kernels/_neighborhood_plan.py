@@ -85,6 +85,16 @@ def additive_mask(plan: Plan, dtype: torch.dtype) -> Tensor:
     return mask
 
 
+def merge_key_mask(allowed: Tensor, key_rows: Tensor | None) -> Tensor:
+    """Merge a bool pattern with gathered bool ("real key") or additive key values: bool
+    stays bool (``&``), additive keeps the key's value where allowed and -inf elsewhere."""
+    if key_rows is None:
+        return allowed
+    if key_rows.dtype == torch.bool:
+        return allowed & key_rows
+    return torch.where(allowed, key_rows, float("-inf"))
+
+
 def _axis(n: int, k: int, d: int, t: int) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Tiles of one axis: per subgrid, (query positions (m, t), key positions (m, S), allowed
     (m, t, S)), positions on the full axis, -1 for an empty slot, ``S = t + k - 1``."""

@@ -45,6 +45,7 @@ from mmattn.kernels._neighborhood_plan import (
     Plan,
     additive_mask,
     build_plan,
+    merge_key_mask,
 )
 
 __all__ = [
@@ -143,15 +144,6 @@ def _pad_row(t: Tensor, fill: float | bool = 0.0) -> Tensor:
     return torch.cat([t, t.new_full((1, *t.shape[1:]), fill)])
 
 
-def _key_mask(allowed: Tensor, key_rows: Tensor | None) -> Tensor:
-    """Merge a bool pattern with gathered bool ("real key") or additive key values."""
-    if key_rows is None:
-        return allowed
-    if key_rows.dtype == torch.bool:
-        return allowed & key_rows
-    return torch.where(allowed, key_rows, float("-inf"))
-
-
 def neighborhood_rows(
     q: Tensor,
     k: Tensor,
@@ -198,7 +190,7 @@ def neighborhood_rows(
         )
         w_t = None
     else:
-        mask = rearrange(_key_mask(plan.allowed, km_t), "n s t -> n 1 s t")
+        mask = rearrange(merge_key_mask(plan.allowed, km_t), "n s t -> n 1 s t")
         out_t, w_t = _kernel.attend(
             qt, kt, vt, mask, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
             report_path=False,
@@ -211,7 +203,7 @@ def neighborhood_rows(
         gv = rearrange(vz[plan.gk_index], "b j k e -> b k j e")
         gm = rearrange(plan.gk_valid, "b j -> b 1 1 j")
         if km is not None:
-            gm = _key_mask(gm, rearrange(km[plan.gk_index], "b j -> b 1 1 j"))
+            gm = merge_key_mask(gm, rearrange(km[plan.gk_index], "b j -> b 1 1 j"))
         out_g, w_g = _kernel.attend(
             gq, gk, gv, gm, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
             report_path=False,
@@ -294,8 +286,9 @@ def neighborhood_attend(
         torch.Size([2, 4, 64, 16])
     """
     batch, heads, length, _ = q.shape
+    traced = exporting() or not isinstance(batch, int)  # symbolic batch: one item's plan
     items = padded_items(
-        batch if isinstance(batch, int) and not exporting() else 1, length, grid,
+        1 if traced else batch, length, grid,
         num_global_tokens=num_global_tokens, grid_start=grid_start,
     )
     if _kernel.reporting():
@@ -304,7 +297,7 @@ def neighborhood_attend(
             mask=key_mask, dropout_p=dropout_p, is_causal=False, scale=scale,
             kernel_size=kernel_size, dilation=dilation, num_global_tokens=num_global_tokens,
         )
-    if exporting() or not isinstance(batch, int):  # symbolic batch: one item's plan
+    if traced:
         if need_weights:
             raise NotImplementedError(
                 "NeighborhoodAttention does not export need_weights=True; export without it"
