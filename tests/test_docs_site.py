@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import os
 import re
 import subprocess
@@ -19,8 +20,11 @@ from urllib.parse import urlsplit
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools" / "mkdocs"))
-griffe_docstrings = pytest.importorskip("griffe_docstrings")  # needs griffe (the docs extra)
+pytest.importorskip("griffe")  # the docs extra
+_spec = importlib.util.spec_from_file_location(
+    "griffe_docstrings", ROOT / "tools" / "mkdocs" / "griffe_docstrings.py")
+griffe_docstrings = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(griffe_docstrings)
 rst_to_markdown = griffe_docstrings.rst_to_markdown
 
 REST_LEFT = re.compile(r"\.\. math::|:(?:py:)?[a-z]+:`")
