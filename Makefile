@@ -60,17 +60,17 @@ bench: $(STAMP)
 
 # The docs tools come with the dev extra; --strict turns every warning (a broken link, a
 # docstring mkdocstrings cannot read) into a failure. The site carries its own MathJax
-# (tools/mkdocs/hooks.py copies it from the docs extra): it needs no network.
+# (docs/_tools/mkdocs/hooks.py copies it from the docs extra): it needs no network.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
 # Every page of the built site in headless Chromium with the network off: formulas typeset,
-# images loaded, no request leaving 127.0.0.1 (tools/docs_check.py). Debian's chromium, never
-# a downloaded browser; without one it skips with the reason, unless
+# images loaded, no request leaving 127.0.0.1 (docs/_tools/docs_check.py). Debian's chromium,
+# never a downloaded browser; without one it skips with the reason, unless
 # DOCS_CHECK_ARGS=--require-browser (as .ci/run, which installs it).
 DOCS_CHECK_ARGS ?=
 docs-check: docs
-	$(PY) tools/docs_check.py --site site $(DOCS_CHECK_ARGS)
+	$(PY) docs/_tools/docs_check.py --site site $(DOCS_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) out site .pytest_cache .ruff_cache .hypothesis

@@ -2,7 +2,7 @@
 docstrings' reST math becomes formulas the site typesets, the built pages load their
 renderer, styles and pictures from the site itself (no CDN), every class and function has
 its own heading, and the layer protocol stays out of the user API.
-``make docs-check`` (tools/docs_check.py) opens the same pages in Chromium."""
+``make docs-check`` (docs/_tools/docs_check.py) opens the same pages in Chromium."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("griffe")  # the docs extra
 _spec = importlib.util.spec_from_file_location(
-    "griffe_docstrings", ROOT / "tools" / "mkdocs" / "griffe_docstrings.py")
+    "griffe_docstrings", ROOT / "docs" / "_tools" / "mkdocs" / "griffe_docstrings.py")
 griffe_docstrings = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(griffe_docstrings)
 rst_to_markdown = griffe_docstrings.rst_to_markdown

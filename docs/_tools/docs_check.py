@@ -1,6 +1,7 @@
 """Open every page of the built site in headless Chromium, as a reader would (issue 30).
 
-    python tools/docs_check.py [--site site] [--require-browser] [--netns] [--screenshots DIR]
+    python docs/_tools/docs_check.py [--site site] [--require-browser] [--netns]
+        [--screenshots DIR]
 
 The site is served on 127.0.0.1; every other request is refused by the browser (no host
 resolves, and a request to any other origin is aborted and counted), so this is the site
@@ -38,7 +39,7 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: The flags this machine's Chromium needs (docs: no background traffic, no sandbox as root)
 #: and the closed network: no host name resolves but the site's.
 CHROMIUM_ARGS = [
