@@ -181,6 +181,11 @@ def sdpa(
           (b, h, i, j), SDPA direction
         - returns: (b, h, i, e_v)
     """
+    if is_causal and scale is not None and scale <= 0:
+        # torch's CPU flash kernel writes the causal -inf before it scales: at scale 0 that
+        # is 0 · -inf = NaN, at a negative scale +inf. An explicit mask has no such step.
+        mask = with_causal(mask, q.shape[-2], k.shape[-2], q.device)
+        is_causal = False
     live = None
     if mask is not None and dead_rows:
         live = live_rows(mask)
