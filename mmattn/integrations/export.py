@@ -110,7 +110,9 @@ class DecodeStep(nn.Module):
 
     Raises:
         TypeError: ``module`` has no self-attention cache (e.g. ``CrossAttention``, whose
-            context is an input of every step instead).
+            context is an input of every step instead); a state entry that is not a tensor.
+        ValueError: a state of the wrong length, or made for another batch size than
+            ``x``'s.
 
     Examples:
         >>> from mmattn import MultiHeadAttention
@@ -166,6 +168,7 @@ class DecodeStep(nn.Module):
                 f"(DecodeStep.init_state), got {type(state).__name__} of "
                 f"{len(state) if isinstance(state, (tuple, list)) else 1}"
             )
+        self._check_batch(x, state)
         cache = copy.copy(self._template)
         for name, value in zip(self.state_names, state):
             setattr(cache, name, value.clone())  # the cache writes in place: not the inputs
@@ -176,3 +179,21 @@ class DecodeStep(nn.Module):
         else:
             out, _ = self.module(x, is_causal=True, cache=cache)
         return out, tuple(getattr(cache, name) for name in self.state_names)
+
+    def _check_batch(self, x: Tensor, state: tuple[Tensor, ...] | list[Tensor]) -> None:
+        """The state's (b, ...) buffers (``k``, ``v``) must hold ``x``'s batch."""
+        for name, value in zip(self.state_names, state):
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"state {name} must be a tensor (DecodeStep.init_state), got "
+                    f"{type(value).__name__}"
+                )
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            return  # the module names x
+        for name, value in zip(self.state_names, state):
+            if value.dim() >= 2 and value.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"state {name} was made for batch size {value.shape[0]}, but x has batch "
+                    f"size {x.shape[0]} ({tuple(x.shape)}); make the state with "
+                    f"init_state(batch_size={x.shape[0]})"
+                )
