@@ -177,9 +177,15 @@ def attention_forward(
         - returns: (b, i, h, e), and the weights (b, h, i, j) when ``output_attentions``
 
     Raises:
-        TypeError: an unknown keyword argument, or a mask that is not a tensor.
-        ValueError: an argument mmattn cannot honour (attention sinks, a paged cache, ...)
-            or head counts that do not divide.
+        TypeError: an unknown keyword argument; query, key and value not floating tensors
+            of one dtype; a mask (or ``position_bias``) that is not a tensor, or neither bool
+            nor float in query's dtype or float32 (an integer 0/1 mask is refused, not added);
+            ``dropout``, ``scaling`` or ``softcap`` not a number.
+        ValueError: an argument mmattn cannot honour (attention sinks, a paged cache, ...);
+            tensors not (b, h, l, e), on different devices, of different batch sizes, head
+            widths or key/value lengths; head counts that do not divide; a mask that does not
+            broadcast to (b, h, i, j); ``dropout`` outside [0, 1); a NaN or infinite
+            ``scaling``; ``softcap`` <= 0.
 
     Examples:
         >>> import torch
@@ -191,14 +197,11 @@ def attention_forward(
         ((2, 5, 4, 8), None)
     """
     _check_kwargs(module, kwargs)
+    groups = _check_inputs(
+        module, query, key, value, attention_mask, dropout, scaling, softcap, position_bias
+    )
     need_weights = bool(kwargs.get("output_attentions"))
     mask = attention_mask
-    if mask is not None and not isinstance(mask, Tensor):
-        raise TypeError(
-            f"{_who(module)}: attention_mask must be a tensor or None, got "
-            f"{type(mask).__name__} (was the model built for another attention backend?)"
-        )
-    groups = _check_heads(module, query, key, value)
     q_len, k_len = query.shape[-2], key.shape[-2]
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
@@ -289,17 +292,104 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_heads(module: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> int:
-    """Query heads per key head (a Python int, never a traced shape comparison)."""
+def _check_inputs(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: object,
+    dropout: object, scaling: object, softcap: object, position_bias: object,
+) -> int:
+    """Check one call's tensors and numbers; return query heads per key head.
+
+    Every message names the model (:func:`_who`), the argument, and expected vs got. The
+    checks read only shapes, dtypes and devices (no pass over any tensor), so the masks
+    transformers builds (bool, or float in the model's dtype) cost a few attribute reads.
+    """
+    who = _who(module)
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{who}: {name} must be a tensor, got {type(tensor).__name__}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"{who}: {name} must be floating point, got {tensor.dtype}")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
-            f"{_who(module)}: query, key and value must be (b, h, l, e), got shapes "
+            f"{who}: query, key and value must be (b, h, l, e), got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
-    heads, kv_heads = query.shape[1], key.shape[1]
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"{who}: query, key and value must share a dtype, got query {query.dtype}, key "
+            f"{key.dtype}, value {value.dtype}"
+        )
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(
+            f"{who}: query, key and value must be on one device, got query {query.device}, "
+            f"key {key.device}, value {value.device}"
+        )
+    batch, heads, q_len, width = query.shape
+    kv_batch, kv_heads, k_len, key_width = key.shape
+    if kv_batch != batch or value.shape[0] != batch:
+        raise ValueError(
+            f"{who}: query, key and value must share the batch size, got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    if key_width != width:
+        raise ValueError(
+            f"{who}: key must have the head width of query ({width}), got key "
+            f"{tuple(key.shape)} (b, h, j, e)"
+        )
+    if value.shape[2] != k_len:
+        raise ValueError(
+            f"{who}: value must have the length of key ({k_len}), got value "
+            f"{tuple(value.shape)} (b, h, j, e)"
+        )
     if kv_heads == 0 or heads % kv_heads or value.shape[1] != kv_heads:
         raise ValueError(
-            f"{_who(module)}: key/value heads must divide the query heads, got {heads} query, "
+            f"{who}: key/value heads must divide the query heads, got {heads} query, "
             f"{kv_heads} key and {value.shape[1]} value heads"
         )
+    target = (batch, heads, q_len, k_len)
+    if mask is not None:
+        _check_scores_operand(who, "attention_mask", mask, query, target)
+    if position_bias is not None:
+        _check_scores_operand(who, "position_bias", position_bias, query, target)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"{who}: dropout must be a float in [0, 1), got {dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{who}: dropout must be in [0, 1), got {dropout}")
+    for name, number in (("scaling", scaling), ("softcap", softcap)):
+        if number is None:
+            continue
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise TypeError(f"{who}: {name} must be a number or None, got {number!r}")
+        if not math.isfinite(number) or (name == "softcap" and number <= 0):
+            expected = "a finite number > 0" if name == "softcap" else "a finite number"
+            raise ValueError(f"{who}: {name} must be {expected}, got {number}")
     return int(heads) // int(kv_heads)
+
+
+def _check_scores_operand(
+    who: str, name: str, mask: object, query: Tensor, target: tuple[int, ...]
+) -> None:
+    """A mask or bias for the (b, h, i, j) scores: bool (True = may attend) or float (added,
+    in query's dtype or float32, as SDPA takes it), broadcastable to ``target``."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"{who}: {name} must be a tensor or None, got {type(mask).__name__} (was the "
+            "model built for another attention backend?)"
+        )
+    if mask.dtype != torch.bool and mask.dtype not in (query.dtype, torch.float32):
+        hint = (
+            "; a 0/1 padding mask must be converted (mask.bool(): True = may attend)"
+            if not mask.is_floating_point() else ""
+        )
+        raise TypeError(
+            f"{who}: {name} must be bool (True = may attend) or float in query's dtype "
+            f"({query.dtype}) or float32 (added to the scores), got {mask.dtype}{hint}"
+        )
+    if mask.device != query.device:
+        raise ValueError(
+            f"{who}: {name} must be on query's device ({query.device}), got {mask.device}"
+        )
+    if mask.dim() > 4 or not all(m in (1, t) for m, t in zip(mask.shape[::-1], target[::-1])):
+        raise ValueError(
+            f"{who}: {name} must broadcast to (batch, heads, query length, key length) = "
+            f"{target}, got {tuple(mask.shape)}"
+        )
