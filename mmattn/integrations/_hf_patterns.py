@@ -19,11 +19,19 @@ kernel runs only where the mask is *proved* to be the pattern that kernel comput
 
 The proof is one pass over the mask, remembered on the mask tensor (every layer of a forward
 shares it). Anything else runs the dense kernel on the mask as given.
+
+What is remembered is keyed on values, never on ``id()`` (Python reuses an id once its
+object is collected): a proof is remembered on the mask it read (and that mask's in-place
+version), with the ``position_ids`` it used compared by identity (a weak reference) and
+else by value; the (l, l) bands compared with a window mask are kept by (length, window,
+causality, device), at most :data:`BAND_CACHE_BYTES` of them.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -104,11 +112,30 @@ def _find_window(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None] |
     return None
 
 
-@functools.lru_cache(maxsize=4)
+#: Bytes of (l, l) bands kept for the next forward (a band is 1 byte per entry: l = 4096
+#: is 16 MiB). A band larger than this is built for its call and not kept.
+BAND_CACHE_BYTES = 64 * 2**20
+_BANDS: OrderedDict[tuple, Tensor] = OrderedDict()
+_BANDS_LOCK = threading.Lock()
+
+
 def _band(length: int, size: int, causal: bool, device: torch.device) -> Tensor:
-    """(l, l) bool: ``0 <= i - j <= size`` (causal) or ``|i - j| <= size``; kept for reuse."""
+    """(l, l) bool: ``0 <= i - j <= size`` (causal) or ``|i - j| <= size``; kept for reuse
+    (least recently used first out) while the kept bands fit in :data:`BAND_CACHE_BYTES`."""
+    key = (length, size, causal, torch.device(device))
+    with _BANDS_LOCK:
+        band = _BANDS.get(key)
+        if band is not None:
+            _BANDS.move_to_end(key)
+            return band
     full = torch.ones(length, length, dtype=torch.bool, device=device)
-    return full.tril(0 if causal else size).triu_(-size)
+    band = full.tril(0 if causal else size).triu_(-size)
+    if band.numel() <= BAND_CACHE_BYTES:
+        with _BANDS_LOCK:
+            _BANDS[key] = band
+            while sum(b.numel() for b in _BANDS.values()) > BAND_CACHE_BYTES:
+                _BANDS.popitem(last=False)
+    return band
 
 
 def run_window(
@@ -143,8 +170,42 @@ def packed_lengths(mask: Tensor, position_ids: Tensor) -> list[int] | None:
         return None
     if position_ids.shape[0] not in (1, mask.shape[0]):
         return None
-    key = ("packed", id(position_ids), position_ids._version)
-    return _memo(mask, key, lambda: _find_packed(mask, position_ids))
+    key = ("packed", tuple(position_ids.shape), position_ids.dtype, position_ids.device)
+    entry = _memo(mask, key, lambda: _PackedProof(mask, position_ids))
+    return entry.lengths(mask, position_ids)
+
+
+class _PackedProof:
+    """The lengths proved for one mask, and the ``position_ids`` they were read from.
+
+    A later call hits when it passes the same tensor (same object, by weak reference, at the
+    same in-place version: what every layer of one forward passes) or an equal one; any
+    other ``position_ids`` is proved anew. Never an ``id()``, which Python reuses.
+    """
+
+    def __init__(self, mask: Tensor, position_ids: Tensor) -> None:
+        self._prove(mask, position_ids)
+
+    def _prove(self, mask: Tensor, position_ids: Tensor) -> None:
+        self.result = _find_packed(mask, position_ids)
+        self.values = position_ids.detach().clone()
+        self._remember(position_ids)
+
+    def _remember(self, position_ids: Tensor) -> None:
+        try:
+            self.ref: Any = weakref.ref(position_ids)
+        except TypeError:  # pragma: no cover - every Tensor takes weak references
+            self.ref = lambda: None
+        self.version = position_ids._version
+
+    def lengths(self, mask: Tensor, position_ids: Tensor) -> list[int] | None:
+        if self.ref() is position_ids and self.version == position_ids._version:
+            return self.result
+        if torch.equal(self.values, position_ids):
+            self._remember(position_ids)
+        else:
+            self._prove(mask, position_ids)
+        return self.result
 
 
 def _find_packed(mask: Tensor, position_ids: Tensor) -> list[int] | None:
