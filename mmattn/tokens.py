@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmattn import _pytree
+from mmattn import _jagged, _pytree
 from mmattn._checks import (
     check_has_data,
     check_matches_params,
@@ -33,7 +33,6 @@ from mmattn._checks import (
     check_shape,
     check_tensor,
 )
-from mmattn.kernels import packed as _packed
 
 #: meta keys that ``Tokens.cat`` of a mapping writes itself; no part may be named so.
 RESERVED_NAMES = ("spans",)
@@ -73,7 +72,7 @@ class Tokens:
     meta: dict[str, Any]
 
     def __init__(self, x: Tensor, mask: Tensor | None = None, meta: dict | None = None) -> None:
-        if _packed.is_jagged(x):
+        if _jagged.is_jagged(x):
             _check_packed_x(x, mask)
         else:
             check_tensor("Tokens.x", x)
@@ -105,7 +104,7 @@ class Tokens:
     @property
     def is_packed(self) -> bool:
         """True when ``x`` is a jagged nested tensor (b, l*, d) without padding."""
-        return _packed.is_jagged(self.x)
+        return _jagged.is_jagged(self.x)
 
     @property
     def length(self) -> int:
@@ -200,7 +199,7 @@ class Tokens:
             lengths = self.mask.sum(dim=1)
         offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
         meta = _edges_to_packed(self.meta, self.full_mask())
-        return Tokens(_packed.jagged(values, offsets), None, meta)
+        return Tokens(_jagged.jagged(values, offsets), None, meta)
 
     def unpack(self) -> Tokens:
         """A padded batch (zeros at padding, left-aligned) with its mask; itself if padded.
@@ -212,8 +211,8 @@ class Tokens:
         """
         if not self.is_packed:
             return self
-        values, offsets = _packed.contiguous_parts(self.x)
-        x, mask = _packed.pad_values(values, offsets)
+        values, offsets = _jagged.contiguous_parts(self.x)
+        x, mask = _jagged.pad_values(values, offsets)
         return Tokens(x, mask, _edges_to_padded(self.meta, offsets, x.shape[1]))
 
     @staticmethod
@@ -255,7 +254,7 @@ class Tokens:
                 f"offsets must start at 0, be non-decreasing and end at values.shape[0]="
                 f"{values.shape[0]}, got {offsets.tolist()}"
             )
-        return Tokens(_packed.jagged(values, offsets.long()), None, meta)
+        return Tokens(_jagged.jagged(values, offsets.long()), None, meta)
 
     @staticmethod
     def cat(parts: Sequence[Tokens] | Mapping[str, Tokens]) -> Tokens:
@@ -313,14 +312,14 @@ class Tokens:
                 "pack() or unpack() them all first"
             )
         if packed:
-            values, offsets, bounds = _packed.cat_values(
-                [_packed.contiguous_parts(part.x) for _, part in items]
+            values, offsets, bounds = _jagged.cat_values(
+                [_jagged.contiguous_parts(part.x) for _, part in items]
             )
             meta = {}
             if named:
                 meta = {name: part.meta for name, part in items}
                 meta["spans"] = {name: b for (name, _), b in zip(items, bounds)}
-            return Tokens(_packed.jagged(values, offsets), None, meta)
+            return Tokens(_jagged.jagged(values, offsets), None, meta)
         x = torch.cat([p.x for _, p in items], dim=1)
         mask = None
         if any(p.mask is not None for _, p in items):

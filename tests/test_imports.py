@@ -107,6 +107,13 @@ LAYERS = [
     ("mmattn.attention", ("mmattn.blocks", "mmattn.integrations", "mmattn.distributed",
                           "mmattn.debug", "mmattn.registry")),
     ("mmattn.blocks", ("mmattn.integrations", "mmattn.distributed", "mmattn.debug")),
+    # the data type and the jagged helpers under it sit below every kernel and layer
+    ("mmattn.tokens", ("mmattn.kernels", "mmattn.attention", "mmattn.blocks",
+                       "mmattn.integrations", "mmattn.distributed", "mmattn.debug",
+                       "mmattn.registry", "mmattn.functional")),
+    ("mmattn._jagged", ("mmattn.tokens", "mmattn.kernels", "mmattn.attention",
+                        "mmattn.blocks", "mmattn.integrations", "mmattn.distributed",
+                        "mmattn.debug", "mmattn.registry", "mmattn.functional")),
 ]
 
 
