@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
+from mmattn.attention import _in_proj
 from mmattn.attention._init import draw_like_torch
 
 __all__: list[str] = []
@@ -254,22 +255,31 @@ class TorchInterop:
         """``cat(q_proj.weight, k_proj.weight, v_proj.weight)`` (3D, D), as torch packs it.
 
         None where torch's is None: ``kdim`` or ``vdim`` differ from ``embed_dim`` (torch then
-        has ``q_proj_weight`` ...), and with grouped-query heads (no torch layout). A fresh
-        tensor at each read that carries gradients to the three weights; writing into it
-        changes nothing (write to ``q_proj.weight`` ... or load a state dict instead).
+        has ``q_proj_weight`` ...), and with grouped-query heads (no torch layout). It views
+        the three weights' memory (:mod:`mmattn.attention._in_proj`): in-place writes through
+        it change them, and gradients through it reach them. Assigning an ``nn.Parameter``
+        copies it into them.
         """
         if self.kdim != self.embed_dim or self.vdim != self.embed_dim or self._grouped():
             return None
-        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        return _in_proj.read(self, "weight")
 
     @property
     def in_proj_bias(self) -> Tensor | None:
         """``cat(q_proj.bias, k_proj.bias, v_proj.bias)`` (3D,): torch keeps it whenever
         ``bias=True``, for any widths. None for ``bias=False`` (as torch) and with
-        grouped-query heads. A fresh tensor at each read, like :attr:`in_proj_weight`."""
+        grouped-query heads. A view that writes through, like :attr:`in_proj_weight`."""
         if self.q_proj.bias is None or self._grouped():
             return None
-        return torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        return _in_proj.read(self, "bias")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # torch's names of the in-projection: nn.Module would try to register a new
+        # parameter under a name our property already holds (KeyError)
+        if name in _in_proj.ASSIGNABLE:
+            _in_proj.assign(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def _grouped(self) -> bool:
         return self.num_kv_heads != self.num_heads

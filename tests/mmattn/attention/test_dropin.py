@@ -186,13 +186,7 @@ def test_code_reading_in_proj_computes_and_trains_the_same():
         torch.testing.assert_close(proj.bias.grad, bias)
 
 
-def test_in_proj_views_are_read_only():
-    module = MultiHeadAttention(16, 4)
-    with pytest.raises(AttributeError):
-        module.in_proj_weight = torch.zeros(48, 16)
-    with pytest.raises(KeyError, match="in_proj_bias"):
-        module.in_proj_bias = nn.Parameter(torch.zeros(48))
-    assert "in_proj_weight" not in module.state_dict()
+# Writing into and assigning in_proj_weight / in_proj_bias: tests/mmattn/attention/test_in_proj.py
 
 
 def test_transformer_layer_fast_path_declines_with_the_views():
