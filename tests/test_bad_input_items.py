@@ -21,6 +21,7 @@ from mmattn import functional as MF
 from mmattn import masks, position
 from mmattn.tokens import Tokens
 from tests._items_second_pass import ITEMS_SECOND_PASS
+from tests._items_third_pass_entry import ITEMS_ENTRY
 from tests._matrix import (  # noqa: F401 - one_thread is a fixture
     CONFINED,
     INF,
@@ -339,6 +340,7 @@ ITEMS = [
 
 
 ITEMS += ITEMS_SECOND_PASS  # issue 22, items 6-8 (tests/_items_second_pass.py)
+ITEMS += ITEMS_ENTRY  # issue 29, items 4-7 and 10 (tests/_items_third_pass_entry.py)
 
 
 @pytest.mark.usefixtures("one_thread")
