@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from mmattn.integrations import huggingface as hf  # noqa: E402
 from mmattn.kernels import dense as _kernel  # noqa: E402
+from tests._items_third_pass_entry import naive  # noqa: E402 - float64 softmax(q kᵀ s) v
 
 # transformers models: seconds each, so the explicit pass of `make test` (-m 'not slow') skips them;
 # the fused pass runs them, and each path of theirs is checked with MMATTN_FUSED_ATTN=0 by hand.
@@ -412,8 +413,8 @@ def test_window_masks_run_on_the_band_kernel_with_the_dense_result(causal):
     finally:
         remove()
     assert paths == ["local"]
-    dense, _ = _kernel.attend(q, k, v, mask)
-    torch.testing.assert_close(out, dense.transpose(1, 2), atol=1e-6, rtol=1e-5)
+    want = naive(q, k, v, mask, 8**-0.5).transpose(1, 2)  # float64, not our kernel
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-5)
 
 
 def test_a_mask_that_is_not_the_window_runs_dense():
@@ -428,7 +429,21 @@ def test_a_mask_that_is_not_the_window_runs_dense():
     finally:
         remove()
     assert paths and "local" not in paths
-    torch.testing.assert_close(out, _kernel.attend(q, k, v, mask)[0].transpose(1, 2))
+    want = naive(q, k, v, mask, 8**-0.5).transpose(1, 2)  # float64, not the kernel it ran
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-5)
+    eager = _eager(q, k, v, mask)  # and transformers' own eager attention
+    torch.testing.assert_close(out, eager, atol=1e-6, rtol=1e-5)
+
+
+def _eager(q, k, v, mask):
+    """transformers' eager attention function (Llama's) on a bool mask made additive."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.training = q.shape[1] // k.shape[1], False
+    additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    out, _ = eager_attention_forward(layer, q, k, v, additive, scaling=q.shape[-1] ** -0.5)
+    return out
 
 
 def test_dropout_applies_in_training_only():
