@@ -298,10 +298,60 @@ def _check_inputs(
 ) -> int:
     """Check one call's tensors and numbers; return query heads per key head.
 
-    Every message names the model (:func:`_who`), the argument, and expected vs got. The
-    checks read only shapes, dtypes and devices (no pass over any tensor), so the masks
-    transformers builds (bool, or float in the model's dtype) cost a few attribute reads.
+    The checks read only shapes, dtypes and devices (no pass over any tensor). What
+    transformers sends (bool or float masks, float numbers) passes one combined test, a few
+    microseconds; anything else goes to :func:`_explain_inputs`, which raises naming the
+    model, the argument and expected vs got (or lets an unusual valid input through).
     """
+    ok = (
+        type(query) is Tensor and type(key) is Tensor and type(value) is Tensor
+        and query.dim() == 4 and key.dim() == 4 and value.dim() == 4
+        and query.is_floating_point()
+    )
+    if ok:
+        dtype, device = query.dtype, query.device
+        batch, heads, q_len, width = query.shape
+        kv_batch, kv_heads, k_len, key_width = key.shape
+        v_batch, v_heads, v_len, _ = value.shape
+        target = (batch, heads, q_len, k_len)
+        ok = (
+            key.dtype == dtype and value.dtype == dtype and key.device == device
+            and value.device == device and kv_batch == batch and v_batch == batch
+            and key_width == width and v_len == k_len and kv_heads > 0
+            and heads % kv_heads == 0 and v_heads == kv_heads
+            and (mask is None or _fits(mask, dtype, device, target))
+            and (position_bias is None or _fits(position_bias, dtype, device, target))
+            and type(dropout) in (float, int) and 0.0 <= dropout < 1.0
+            and (scaling is None or (type(scaling) is float and math.isfinite(scaling)))
+            and (softcap is None or (type(softcap) is float and 0.0 < softcap < math.inf))
+        )
+    if not ok:
+        _explain_inputs(
+            module, query, key, value, mask, dropout, scaling, softcap, position_bias
+        )
+    return int(query.shape[1]) // int(key.shape[1])
+
+
+def _fits(mask: object, dtype: torch.dtype, device: torch.device, target: tuple) -> bool:
+    """A bool or float (query's dtype or float32) tensor on ``device`` broadcasting to
+    ``target`` (the fast test of :func:`_check_scores_operand`)."""
+    if type(mask) is not Tensor or mask.dim() != 4:  # transformers' masks are 4-D
+        return False
+    kind = mask.dtype
+    if kind != torch.bool and kind != dtype and kind != torch.float32:
+        return False
+    b, h, i, j = mask.shape
+    return (
+        j == target[3] and (i == 1 or i == target[2]) and (h == 1 or h == target[1])
+        and (b == 1 or b == target[0]) and mask.device == device
+    )
+
+
+def _explain_inputs(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: object,
+    dropout: object, scaling: object, softcap: object, position_bias: object,
+) -> None:
+    """Raise for the first argument of one call that is wrong; return if none is."""
     who = _who(module)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
@@ -362,7 +412,6 @@ def _check_inputs(
         if not math.isfinite(number) or (name == "softcap" and number <= 0):
             expected = "a finite number > 0" if name == "softcap" else "a finite number"
             raise ValueError(f"{who}: {name} must be {expected}, got {number}")
-    return int(heads) // int(kv_heads)
 
 
 def _check_scores_operand(
