@@ -13,7 +13,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the check needs no mor
 ROOT = Path(__file__).resolve().parents[1]
 #: The floors and where docs/decisions.md ("Packaging") says why.
 FLOORS = {"torch": "2.5", "torchvision": "0.20", "torchaudio": "2.5",
-          "torch-geometric": "2.5", "einops": "0.7"}
+          "torch-geometric": "2.5", "einops": "0.7", "timm": "1.0.28"}
 
 
 def _requirements() -> dict[str, str]:
