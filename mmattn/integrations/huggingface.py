@@ -30,6 +30,7 @@ naming the ``mmattn[hf]`` extra when it is missing.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -205,6 +206,9 @@ def attention_forward(
     q_len, k_len = query.shape[-2], key.shape[-2]
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+    elif type(scaling) is not float:  # an int or a NumPy scalar: SDPA takes a float
+        scaling = float(scaling)
+    dropout = dropout if type(dropout) is float else float(dropout)
     # Causality as transformers' SDPA backend decides it: the mask wins when there is one.
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and mask is None and causal)
@@ -400,14 +404,14 @@ def _explain_inputs(
         _check_scores_operand(who, "attention_mask", mask, query, target)
     if position_bias is not None:
         _check_scores_operand(who, "position_bias", position_bias, query, target)
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
         raise TypeError(f"{who}: dropout must be a float in [0, 1), got {dropout!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"{who}: dropout must be in [0, 1), got {dropout}")
     for name, number in (("scaling", scaling), ("softcap", softcap)):
         if number is None:
             continue
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
+        if isinstance(number, bool) or not isinstance(number, numbers.Real):
             raise TypeError(f"{who}: {name} must be a number or None, got {number!r}")
         if not math.isfinite(number) or (name == "softcap" and number <= 0):
             expected = "a finite number > 0" if name == "softcap" else "a finite number"
