@@ -16,8 +16,8 @@ from torch import Tensor
 
 # torch.compile: the jagged boundary (wrapping, unwrapping) runs eagerly (graph breaks; the
 # packed kernel's bucket planning too); the dense work between them (projections, norms,
-# MLPs, each bucket's attention) is compiled. Tracing through NJT subclass outputs fails in torch 2.14
-# ("outputs that alias one another ... with tensor subclass outputs").
+# MLPs, each bucket's attention) is compiled. Tracing through NJT subclass outputs fails
+# in torch 2.14 ("outputs that alias one another ... with tensor subclass outputs").
 _boundary = torch.compiler.disable
 
 try:  # the jagged layout's tensor subclass (private module; fall back to the layout check)
