@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn.attention._decoding import refuse_chunk_cache
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.cache import LocalKVCache
 from mmattn.kernels.blocked import default_block_size, local_attend
@@ -183,6 +184,7 @@ class LocalAttention(MultiHeadAttention):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **streaming: object,
     ) -> LocalKVCache:
         """A ring cache of the last ``window_size`` keys for causal decoding: O(w) memory.
 
@@ -191,7 +193,11 @@ class LocalAttention(MultiHeadAttention):
 
         Raises:
             ValueError: ``num_global_tokens`` > 0 (global keys would need the whole past).
+            TypeError: ``chunk=`` (or ``left``/``right``): a band has no chunk cache.
         """
+        refuse_chunk_cache(self, streaming)
+        if streaming:
+            raise TypeError(f"make_cache got unexpected keyword argument(s) {sorted(streaming)}")
         self._check_cacheable()
         weight = self.k_proj.weight
         return LocalKVCache(
