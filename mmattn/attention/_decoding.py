@@ -26,8 +26,6 @@ def check_cache_step(
 ) -> None:
     """Raise unless ``cache`` can serve this call (sizes and dtype are checked later)."""
     module._check_cacheable()
-    if isinstance(cache, ChunkCache):
-        cache.check_owner(module)
     window, always_causal = module._cache_rules()
     check_cache_call(
         type(module).__name__, cache, kinds=module.cache_kinds,
@@ -35,6 +33,8 @@ def check_cache_step(
         key_padding_mask=key_padding_mask, attn_mask=attn_mask,
         causal=is_causal or always_causal, position=module.position,
     )
+    if isinstance(cache, ChunkCache):
+        cache.check_owner(module)
 
 
 def cached_step(
