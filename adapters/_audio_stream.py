@@ -89,8 +89,7 @@ class AudioStream:
     def check_piece(self, embedder: nn.Module, waveform: Tensor, input_rate: int | None,
                     lengths: Tensor | None, packed: bool) -> None:
         """Raise unless ``waveform`` can be the next piece of these streams."""
-        owner = None if self._owner is None else self._owner()
-        if owner is not None and owner is not embedder:
+        if self._owner is not None and self._owner() is not embedder:
             raise ValueError(
                 "stream was made by another AudioFrameEmbedder (make_stream of this one)"
             )
@@ -171,8 +170,8 @@ def _frame_features(embedder: nn.Module, segment: Tensor, frames: int) -> Tensor
         if not frames:
             return segment.new_zeros(len(segment), 0, n_fft)
         return segment.unfold(-1, n_fft, hop)[:, :frames]
-    if not frames:
-        return segment.new_zeros(len(segment), 0, embedder.n_mels)
+    if not frames or not len(segment):  # (an empty batch: the FFT takes no 0-row input)
+        return segment.new_zeros(len(segment), frames, embedder.n_mels)
     taf = require("torchaudio.functional", "AudioFrameEmbedder")
     window, fbanks = embedder._mel_tables(segment.device)
     power = taf.spectrogram(

@@ -142,13 +142,13 @@ class ChunkCache:
     # ------------------------------------------------------------------ checks
     def check_owner(self, module: object) -> None:
         """Raise ValueError unless ``module`` made this cache."""
-        owner = None if self._owner is None else self._owner()
-        if owner is not None and owner is not module:
+        if self._owner is not None and self._owner() is not module:
+            owner = self._owner()
+            which = "no longer alive" if owner is None else f"at {id(owner):#x}"
             raise ValueError(
-                f"cache was made by another module ({type(owner).__name__} at "
-                f"{id(owner):#x}), got {type(module).__name__} at {id(module):#x}: its keys "
-                "were projected by other weights; make the cache with this module's "
-                "make_cache(...)"
+                f"cache was made by another module ({which}), got {type(module).__name__} at "
+                f"{id(module):#x}: its keys were projected by other weights; make the cache "
+                "with this module's make_cache(...)"
             )
 
     def check_batch(self, name: str, batch_size: int) -> None:
