@@ -180,7 +180,7 @@ class LocalAttention(MultiHeadAttention):
     def make_cache(
         self,
         batch_size: int,
-        max_len: int,
+        max_len: int | None = None,
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -196,8 +196,9 @@ class LocalAttention(MultiHeadAttention):
             TypeError: ``chunk=`` (or ``left``/``right``): a band has no chunk cache.
         """
         refuse_chunk_cache(self, streaming)
-        if streaming:
-            raise TypeError(f"make_cache got unexpected keyword argument(s) {sorted(streaming)}")
+        if streaming or max_len is None:  # (max_len is optional only for that message)
+            raise TypeError(f"LocalAttention.make_cache needs max_len, got max_len={max_len}"
+                            + (f" and unexpected {sorted(streaming)}" if streaming else ""))
         self._check_cacheable()
         weight = self.k_proj.weight
         return LocalKVCache(
