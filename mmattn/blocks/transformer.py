@@ -28,7 +28,7 @@ from mmattn.attention.mha import MultiHeadAttention
 from mmattn.blocks._packed import attend_packed, check_same_layout
 from mmattn.blocks._parts import MLP, block_attn_mask, check_common
 from mmattn.blocks._streaming import StreamingEncoder
-from mmattn.cache import ContextCache
+from mmattn.cache import ContextCache, EncoderCache
 from mmattn.kernels.packed import contiguous_parts, jagged
 from mmattn.registry import AttentionSpec, build_attention, resolve_attention
 from mmattn.tokens import Tokens, check_tokens
@@ -175,8 +175,8 @@ class TransformerBlock(nn.Module):
     ) -> Tokens:
         """Self-attend and transform ``tokens``; see the class docstring.
 
-        ``cache`` (from ``block.attn.make_cache(...)``, causal blocks only) decodes step by
-        step: ``tokens`` are the new tokens, attending everything cached before them.
+        ``cache`` (``block.attn.make_cache(...)``) decodes step by step (causal blocks) or
+        streams one chunk (a ChunkCache): ``tokens`` are the new tokens (docs/streaming.md).
         """
         traced = fx_leaf(self, (tokens,), {"attn_mask": attn_mask, "cache": cache})
         if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
@@ -406,11 +406,9 @@ class Encoder(StreamingEncoder, nn.Module):
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, depth={self.depth}"
 
-    def forward(
-        self, tokens: Tokens, attn_mask: Tensor | None = None, *, cache: Any = None
-    ) -> Tokens:
-        """Run every block, then the final norm; see the class docstring. With ``cache``
-        (:meth:`make_cache`) ``tokens`` is one chunk of a stream (docs/streaming.md)."""
+    def forward(self, tokens: Tokens, attn_mask: Tensor | None = None, *,
+                cache: EncoderCache | None = None) -> Tokens:
+        """Run every block, then the final norm (with ``cache``: one chunk of a stream)."""
         traced = fx_leaf(self, (tokens,), {"attn_mask": attn_mask, "cache": cache})
         if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
             return traced
