@@ -197,7 +197,7 @@ class ChunkCache:
     # ------------------------------------------------------------------ the step
     def update(
         self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Attend the cached chunks and this chunk; then keep this chunk in the cache.
 
         Args:
@@ -207,7 +207,8 @@ class ChunkCache:
         Shape:
             - k: (b, k, i, e); v: (b, k, i, e_v); key_padding_mask: (b, i) bool
             - returns: keys (b, k, s + i, e), values (b, k, s + i, e_v) and the (b, 1, i,
-              s + i) bool mask (True = may attend; a padded query row attends nothing)
+              s + i) bool mask (True = may attend; a padded query row attends nothing), or
+              None when every key may be attended
 
         Raises:
             ValueError: wrong batch size, heads, widths, dtype or device; a chunk longer
@@ -221,7 +222,10 @@ class ChunkCache:
         keys = torch.cat([self.k, k], dim=2)
         values = torch.cat([self.v, v], dim=2)
         key_ok = torch.cat([self.valid, real], dim=1)  # (b, s + i)
-        mask = key_ok[:, None, None, :] & real[:, None, :, None]
+        # eagerly, a stream past its first left chunks without padding attends every key:
+        # no mask, so the kernel skips its dead-row passes (the same numbers)
+        every = key_padding_mask is None and not _tracing() and bool(self.valid.all())
+        mask = None if every else key_ok[:, None, None, :] & real[:, None, :, None]
         if self.left:  # this chunk takes the oldest chunk's slots (a new tensor: no alias)
             self.k.copy_(keys[:, :, new:])
             self.v.copy_(values[:, :, new:])
