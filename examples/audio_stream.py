@@ -169,7 +169,7 @@ def run(
     seed_everything(seed)
     device = torch.device("cpu")  # live audio runs on the CPU, one chunk at a time
     generator = torch.Generator().manual_seed(seed)
-    n_train, n_test, epochs = (48, 8, 2) if quick else (800, 100, 10)
+    n_train, n_test, epochs = (48, 8, 2) if quick else (600, 100, 8)
     waves, lengths, numbers, parts = dialled_numbers(n_train + n_test, generator)
     labels = frame_labels(parts, numbers, 1 + waves.shape[1] // HOP)
     real = torch.arange(labels.shape[1]) < (1 + lengths // HOP)[:, None]
