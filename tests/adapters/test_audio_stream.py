@@ -19,6 +19,15 @@ pytest.importorskip("torchaudio")
 SR, MELS, D = 8000, 16, 12
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread spares thread start-up and contention (restored)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _audio(n_fft=128, hop=32, **kw) -> AudioFrameEmbedder:
     return AudioFrameEmbedder(D, sample_rate=SR, n_mels=MELS, n_fft=n_fft, hop_length=hop, **kw)
 

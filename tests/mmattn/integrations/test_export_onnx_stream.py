@@ -30,6 +30,15 @@ from tests.mmattn.integrations.test_export_stream import (  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread spares thread start-up and contention (restored)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def exported():
     encoder = streaming_encoder()
