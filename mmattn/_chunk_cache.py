@@ -217,19 +217,23 @@ class ChunkCache:
         self._check_step(k, v)
         new = k.shape[2]
         self.check_chunk("the chunk", new)
-        real = (torch.ones(k.shape[0], new, dtype=torch.bool, device=self.device)
-                if key_padding_mask is None else ~key_padding_mask)
         keys = torch.cat([self.k, k], dim=2)
         values = torch.cat([self.v, v], dim=2)
-        key_ok = torch.cat([self.valid, real], dim=1)  # (b, s + i)
         # eagerly, a stream past its first left chunks without padding attends every key:
-        # no mask, so the kernel skips its dead-row passes (the same numbers)
+        # no mask (the kernel skips its dead-row passes; the same numbers), and every slot
+        # stays valid
         every = key_padding_mask is None and not _tracing() and bool(self.valid.all())
-        mask = None if every else key_ok[:, None, None, :] & real[:, None, :, None]
+        mask = None
+        if not every:
+            real = (torch.ones(k.shape[0], new, dtype=torch.bool, device=self.device)
+                    if key_padding_mask is None else ~key_padding_mask)
+            key_ok = torch.cat([self.valid, real], dim=1)  # (b, s + i)
+            mask = key_ok[:, None, None, :] & real[:, None, :, None]
+            if self.left:
+                self.valid.copy_(key_ok[:, new:])
         if self.left:  # this chunk takes the oldest chunk's slots (a new tensor: no alias)
             self.k.copy_(keys[:, :, new:])
             self.v.copy_(values[:, :, new:])
-            self.valid.copy_(key_ok[:, new:])
         self.size.add_(new)
         return keys, values, mask
 
