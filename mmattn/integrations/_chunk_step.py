@@ -54,7 +54,8 @@ class ChunkStep(nn.Module):
     Raises:
         TypeError: ``module`` has no chunk cache.
         ValueError: an Encoder without a ``P.chunked`` pattern, or ``chunk`` given with
-            one; no ``chunk`` for another module; a state of the wrong length.
+            one; no ``chunk`` for another module; a state of the wrong length or of another
+            batch size than ``x``.
 
     Examples:
         >>> from mmattn import MultiHeadAttention
@@ -128,6 +129,11 @@ class ChunkStep(nn.Module):
                 f"ChunkStep.init_state ({', '.join(self.state_names[:4])}, ... per layer), "
                 f"got {type(state).__name__} of "
                 f"{len(state) if isinstance(state, (tuple, list)) else 1}"
+            )
+        if state[0].shape[0] != x.shape[0]:
+            raise ValueError(
+                f"state was made for batch_size={state[0].shape[0]} (ChunkStep.init_state), "
+                f"got x with batch size {x.shape[0]}"
             )
         layers = []
         for i, template in enumerate(self._template.layers):

@@ -127,3 +127,6 @@ def test_chunk_step_of_a_layer_and_bad_arguments():
         ChunkStep(torch.nn.Linear(D, D), chunk=CHUNK)
     with pytest.raises(ValueError, match="state must be the 4 tensors of ChunkStep.init_state"):
         step(torch.randn(2, CHUNK, D), state[:3])
+    with pytest.raises(ValueError, match="state was made for batch_size=2 .ChunkStep.init_state"
+                                         "., got x with batch size 3"):
+        step(torch.randn(3, CHUNK, D), state)
