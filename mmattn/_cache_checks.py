@@ -61,7 +61,8 @@ def check_cache_call(
             "(docs/deploy.md)"
         )
     if not isinstance(cache, kinds):
-        names = " or ".join(kind.__name__ for kind in kinds)
+        names = [kind.__name__ for kind in kinds]
+        names = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
         raise TypeError(
             f"cache must come from {owner}.make_cache(...) (a {names}), got "
             f"{type(cache).__name__}"
