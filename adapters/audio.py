@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from adapters._audio_stream import AudioStream
 from adapters._imports import require
 from adapters._packing import add_positions, packed_from_mask
 from adapters.base import ModalityAdapter
@@ -36,7 +37,7 @@ from mmattn._checks import (
 from mmattn.position import position_1d
 from mmattn.tokens import Tokens
 
-__all__ = ["AudioFrameEmbedder", "num_frames"]
+__all__ = ["AudioFrameEmbedder", "AudioStream", "num_frames"]
 
 FRONTENDS = ("mel", "raw")
 
@@ -192,8 +193,18 @@ class AudioFrameEmbedder(ModalityAdapter):
             self._tables[device] = (window, fbanks)
         return self._tables[device]
 
-    def features(self, waveform: Tensor) -> Tensor:
-        """The front end on mono float32 (B, T) audio at ``sample_rate``: (B, L, features)."""
+    def features(
+        self, waveform: Tensor, *, stream: AudioStream | None = None, final: bool = False
+    ) -> Tensor:
+        """The front end on mono float32 (B, T) audio at ``sample_rate``: (B, L, features).
+
+        With ``stream`` (:meth:`make_stream`), ``waveform`` is the next piece and the result
+        holds the frames it completes (``final``: the last piece), equal to the offline ones.
+        """
+        if stream is not None:
+            check_rank("waveform", waveform, (2,), "(batch, time), mono")
+            stream.check_piece(self, waveform, None, None, False)
+            return stream.push(self, waveform.to(torch.float32), bool(final))[0]
         if self.frontend == "raw":
             half = self.n_fft // 2
             padded = F.pad(waveform, (half, half))
@@ -259,8 +270,10 @@ class AudioFrameEmbedder(ModalityAdapter):
         input_rate: int | None = None,
         *,
         packed: bool = False,
+        stream: AudioStream | None = None,
+        final: bool = False,
     ) -> Tokens:
-        """Embed a batch of clips.
+        """Embed a batch of clips, or the next piece of a batch of streams.
 
         Args:
             waveform: the clips, padded at the end to a common length.
@@ -268,7 +281,14 @@ class AudioFrameEmbedder(ModalityAdapter):
             input_rate: rate of ``waveform``; None means ``sample_rate``.
             packed: return packed Tokens (jagged x, no mask): only each clip's real frames
                 are projected and positioned.
+            stream: from :meth:`make_stream`: ``waveform`` (B, t), any t >= 0, is the next
+                piece of the streams; the Tokens hold the frames it completes (maybe none),
+                positioned from ``meta["frame_offset"]``, the index of the first of them.
+            final: with ``stream``, this is the last piece: the end padding is added and
+                the last frames are emitted, as offline.
         """
+        if stream is not None:
+            return self._stream(waveform, stream, final, lengths, input_rate, packed)
         self._check(waveform, lengths, input_rate)
         check_has_data("waveform", waveform)
         dtype, device = self._param_dtype_device()
@@ -307,16 +327,65 @@ class AudioFrameEmbedder(ModalityAdapter):
             x = add_positions(self.position, self.proj(rows.to(dtype)), offsets)
         else:
             x = self.position(self.proj(feats.to(dtype)))
-        meta = {
-            "modality": self.modality,
-            "hop_length": self.hop_length,
-            "n_fft": self.n_fft,
-            "sample_rate": self.sample_rate,
-            "frame_rate": self.sample_rate / self.hop_length,
-        }
         if packed:
-            return Tokens.from_packed(x, offsets, meta)
-        return Tokens(x, mask, meta)
+            return Tokens.from_packed(x, offsets, self._meta())
+        return Tokens(x, mask, self._meta())
+
+    def _meta(self, **more: Any) -> dict[str, Any]:
+        return {"modality": self.modality, "hop_length": self.hop_length, "n_fft": self.n_fft,
+                "sample_rate": self.sample_rate, "frame_rate": self.sample_rate / self.hop_length,
+                **more}
+
+    def make_stream(self, batch_size: int, lengths: Tensor | None = None) -> AudioStream:
+        """The state of ``batch_size`` streams: ``embedder(piece, stream=state)``.
+
+        Each call takes the next piece of waveform (B, t) or (B, C, t) at ``sample_rate``,
+        of any length, and returns the Tokens of the frames it completes. Frames equal the
+        offline ones (``embedder(whole_waveform, lengths)``) within float rounding: the
+        start is reflected as offline once ``n_fft // 2 + 1`` samples have arrived, and the
+        piece passed with ``final=True`` adds the end padding and emits the last frames
+        (docs/streaming.md).
+
+        Args:
+            batch_size: streams in the batch.
+            lengths: (B,) samples of each clip, when known: later samples are zeroed and
+                later frames are padding in the mask, as offline with ``lengths``.
+
+        Examples:
+            >>> audio = AudioFrameEmbedder(16, sample_rate=8000, n_mels=8, n_fft=64,
+            ...                            hop_length=32)
+            >>> state = audio.make_stream(2)
+            >>> [audio(torch.randn(2, 100), stream=state).length for _ in range(3)]
+            [3, 3, 3]
+            >>> audio(torch.randn(2, 10), stream=state, final=True).length, state.frames
+            (1, 10)
+        """
+        if lengths is not None:
+            lengths = lengths.to(self._param_dtype_device()[1])
+        return AudioStream(batch_size, lengths, owner=self)
+
+    def _stream(self, waveform: Tensor, stream: AudioStream, final: bool,
+                lengths: Tensor | None, input_rate: int | None, packed: bool) -> Tokens:
+        """The Tokens of the frames one more piece completes."""
+        if not isinstance(stream, AudioStream):
+            raise TypeError(
+                f"stream must come from make_stream(batch_size), got {type(stream).__name__}"
+            )
+        stream.check_piece(self, waveform, input_rate, lengths, packed)
+        dtype, device = self._param_dtype_device()
+        wave = waveform.to(device=device, dtype=torch.float32)
+        if wave.dim() == 3:
+            wave = wave.mean(dim=1)  # mix down: (b, c, t) -> (b, t)
+        feats, first = stream.push(self, wave, bool(final))  # (b, l, features)
+        x = self.proj(feats.to(dtype))
+        if self.positional is not None:
+            x = self.position(x, offset=first)
+        mask = None
+        if stream.lengths is not None:
+            frames = num_frames(stream.lengths, self.hop_length)
+            index = first + torch.arange(x.shape[1], device=device)
+            mask = index < rearrange(frames, "b -> b 1")
+        return Tokens(x, mask, self._meta(frame_offset=first))
 
     def edge_frames(self) -> int:
         """At most this many last real frames of a padded clip may differ from it alone."""

@@ -29,6 +29,7 @@ EXAMPLES = (
     "multimodal_match",
     "audio_dtmf",
     "caption_decoder",
+    "audio_stream",
     "graph_edges",
     "graph_sbm",
     "graph_packed",

@@ -16,6 +16,9 @@ values and one SDPA-direction mask (True = may attend). Three kinds:
   O(w) whatever the length decoded.
 - :class:`ContextCache` (:class:`~mmattn.CrossAttention`): the projected context, stored by
   the first call and reused by every later one.
+- :class:`ChunkCache` (streaming, ``make_cache(batch_size, chunk=c, left=l)``): the last
+  ``l`` chunks of ``c`` keys; each call takes one chunk (docs/streaming.md). An ``Encoder``
+  built with ``P.chunked`` makes an :class:`EncoderCache`, one ChunkCache per block.
 
 The buffers never change shape and the counter is a 0-D tensor, so ``torch.compile`` traces
 one graph for every decoding step. Eagerly, :class:`KVCache` reads the counter and attends
@@ -28,12 +31,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from mmattn import _checks as checks
-from mmattn._helpers import exporting
+from mmattn._cache_checks import check_cache_call as check_cache_call  # moved; importable
+from mmattn._chunk_cache import ChunkCache, EncoderCache
 
-__all__ = ["ContextCache", "KVCache", "LocalKVCache"]
+__all__ = ["ChunkCache", "ContextCache", "EncoderCache", "KVCache", "LocalKVCache"]
 
 
 def _compiling() -> bool:
@@ -365,86 +368,3 @@ class ContextCache(_Cache):
             self.context_len, self.mask = length, mask
         length = self.context_len
         return self.k[:, :, :length], self.v[:, :, :length], self.mask
-
-
-def check_cache_call(
-    owner: str,
-    cache: object,
-    *,
-    kinds: tuple[type, ...],
-    device: torch.device,
-    window_size: int | None = None,
-    batched: bool,
-    key_padding_mask: Tensor | None,
-    attn_mask: Tensor | None,
-    causal: bool,
-    position: object,
-) -> None:
-    """Raise unless ``cache`` can serve an attention call (sizes and dtype: in ``update``).
-
-    Args:
-        owner: the module's class name, for the messages.
-        cache: what the call got as ``cache=``.
-        kinds: the cache classes the module decodes with (another kind would attend the
-            wrong keys: a ring cache in full attention, a full cache in local attention).
-        device: the module's parameters' device.
-        window_size: the module's window (a :class:`LocalKVCache` must have the same).
-
-    Raises:
-        TypeError: ``cache`` is not one of ``kinds``; torch.export traces a stateful cache
-            (one not built from the traced inputs, as ``DecodeStep`` builds it; under
-            ``strict=True`` every cache).
-        ValueError: the cache is on another device or (a ring cache) for another window;
-            unbatched input; an ``attn_mask``; a ``key_padding_mask`` or no causal rule with
-            a self-attention cache; ``is_causal`` or ``position`` with a
-            :class:`ContextCache`.
-    """
-    if exporting() and (
-        torch.compiler.is_dynamo_compiling() or not is_fake(cache.size)
-    ):
-        raise TypeError(
-            f"cache is a stateful {type(cache).__name__} whose buffers live outside the "
-            "exported program (they would be frozen in as constants); export the functional "
-            "form mmattn.integrations.export.DecodeStep (with strict=False, the default), "
-            "which takes and returns the cache as tensors (docs/deploy.md)"
-        )
-    if not isinstance(cache, kinds):
-        names = " or ".join(kind.__name__ for kind in kinds)
-        raise TypeError(
-            f"cache must come from {owner}.make_cache(...) (a {names}), got "
-            f"{type(cache).__name__}"
-        )
-    if cache.device != device:
-        raise ValueError(
-            f"cache is on device {cache.device} but {owner}'s parameters are on {device}; "
-            f"make it with make_cache(..., device={str(device)!r})"
-        )
-    if isinstance(cache, LocalKVCache) and cache.window_size != window_size:
-        raise ValueError(
-            f"cache was made for window_size={cache.window_size}, but this {owner} has "
-            f"window_size={window_size}"
-        )
-    if not batched:
-        raise ValueError(
-            "cache= needs a batched query (batch, length, embed_dim), got an unbatched one"
-        )
-    if attn_mask is not None:
-        raise ValueError("attn_mask is not supported with cache=: the cache builds the mask")
-    if cache.causal:
-        if key_padding_mask is not None:
-            raise ValueError(
-                "key_padding_mask is not supported with a self-attention cache: every "
-                "decoded token is real"
-            )
-        if not causal:
-            raise ValueError(
-                f"{type(cache).__name__} decodes causally: call with is_causal=True "
-                "(a step cannot see tokens that are not decoded yet)"
-            )
-    elif causal:
-        raise ValueError(
-            "is_causal=True does not apply with a ContextCache as cache=: every query step "
-            "attends the whole context"
-        )
-    elif position is not None:
-        raise ValueError("position= does not apply to a ContextCache (cross-attention)")

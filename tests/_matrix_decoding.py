@@ -6,7 +6,10 @@ one decoding step ``module(query, is_causal=True, cache=cache)`` on a cache that
 holds a prefix of ``p`` tokens (a cross-attention cache: an empty one, filled by the step),
 and its ``wrong`` cases hand the step a cache that does not fit: made for another batch,
 dtype, device, number of key/value heads, head width or window, of another kind, full, or
-no cache at all. Each step works on a copy, so every call starts from the same cache.
+no cache at all. Each step works on a copy, so every call starts from the same cache. The
+chunk cache's subject streams one chunk ``module(query, key_padding_mask=..., cache=cache)``
+after a first full chunk; its wrong caches also include one whose stream has ended (a short
+chunk came last) and one of smaller chunks.
 """
 
 from __future__ import annotations
@@ -183,3 +186,47 @@ def cache_subjects() -> list[Subject]:
     for subject in subjects:
         subject.sizes = {"p": PREFIX, "k": 6}
     return subjects
+
+
+def chunk_subjects() -> list[Subject]:
+    """``cache.ChunkCache[MultiHeadAttention]``: one chunk of ``i`` tokens after a full one."""
+    d, b, chunk = SIZES["d"], SIZES["b"], SIZES["i"]
+    attn = module(mmattn.MultiHeadAttention, d, 2, position="rotary", num_kv_heads=1)()
+
+    def make(batch: int, prefix: int = chunk, **kw: Any) -> Any:
+        fits = "dtype" not in kw and "device" not in kw
+        cache = attn.make_cache(batch, chunk=kw.pop("chunk", chunk), left=1, **kw)
+        if fits:
+            with torch.no_grad():
+                attn(torch.randn(batch, prefix, d), cache=cache)
+        return cache
+
+    def step(query: Tensor, cache: Any, key_padding_mask: Tensor) -> Any:
+        cache = copy.deepcopy(cache)  # every call starts from the same cache (same owner)
+        return attn(query, key_padding_mask=key_padding_mask, cache=cache)
+
+    return [Subject(
+        name="cache.ChunkCache[MultiHeadAttention]", build=lambda: step,
+        inputs=lambda s: {"query": torch.randn(s["b"], s["i"], d),
+                          "key_padding_mask": pad_mask(s["b"], s["i"]), "cache": make(s["b"])},
+        # an unbatched query (rank - 1) is reported as its mask's mismatch
+        args={"query": Arg("b i d", width="d", bad_dtypes=(torch.long, torch.float64),
+                           called="query|key_padding_mask",
+                           pad=lambda kw: kw["key_padding_mask"][..., None]),
+              "key_padding_mask": Arg("b i", kind="mask", width="i")},
+        out="b i d", pick=lambda r: r[0], empty_ok=("b", "i"),
+        real_out=lambda kw, out: ~kw["key_padding_mask"][..., None],
+        wrong=(
+            ("cache", "batch", "batch_size", lambda kw: make(b - 1)),
+            ("cache", "dtype-float64", "cache", lambda kw: make(b, dtype=torch.float64)),
+            ("cache", "device-meta", "cache", lambda kw: make(b, device="meta")),
+            ("cache", "ended", "cache", lambda kw: make(b, prefix=chunk - 2)),
+            ("cache", "smaller-chunk", "chunk", lambda kw: make(b, chunk=chunk - 1,
+                                                                prefix=chunk - 1)),
+            ("cache", "not-a-cache", "cache", lambda kw: {}),
+            ("cache", "another-module", "cache", lambda kw: mmattn.MultiHeadAttention(
+                d, 2, num_kv_heads=1).make_cache(b, chunk=chunk)),
+            ("cache", "kind-LocalKVCache", "cache", lambda kw: mmattn.LocalAttention(
+                d, 2, 1, num_kv_heads=1).make_cache(b, 16)),
+        ),
+    )]

@@ -54,7 +54,7 @@ from tests._matrix import (  # noqa: F401 - one_thread is a fixture
     padded_tokens,
     real_rows,
 )
-from tests._matrix_decoding import cache_subjects, rotary_subjects
+from tests._matrix_decoding import cache_subjects, chunk_subjects, rotary_subjects
 from tests._matrix_packed import PACKED
 
 # --------------------------------------------------------------------------- subjects
@@ -481,6 +481,7 @@ SUBJECTS: list[Subject] = [
     *_position_subjects(),
     *rotary_subjects(),
     *cache_subjects(),
+    *chunk_subjects(),
     *_mask_subjects(),
     *_adapter_subjects(),
     *_fusion_subjects(),
@@ -504,6 +505,9 @@ def test_bad_input(outcome: str, run: Callable[[], Any]) -> None:
 NOT_IN_MATRIX = {
     "debug.": "every name: takes a module and a call, not tensors "
               "(tests/mmattn/debug/test_hooks.py)",
+    "cache.EncoderCache": "the ChunkCaches of an Encoder's blocks: named cases in "
+                          "tests/mmattn/test_streaming.py (another encoder's, another batch "
+                          "size, not an EncoderCache)",
     "functional.use_fused_attn": "the path switch, no input",
     "functional.set_fused_attn": "the path switch, no input",
     "functional.fused_attn": "the path switch, no input",

@@ -33,6 +33,7 @@ PAGES = [
     "adapters/index.md",
     "variants.md#writing-your-own-attention-variant",
     "decoding.md",
+    "streaming.md",
     "packed.md",
     "integrations.md#timm",
     "integrations.md#hugging-face-transformers",
@@ -40,6 +41,7 @@ PAGES = [
 ]
 NEEDS = {
     "adapters/audio.md": "torchaudio",
+    "streaming.md": "torchaudio",
     "adapters/graph.md": "torch_geometric",
     "debugging.md": "matplotlib",
     "integrations.md#timm": "timm",

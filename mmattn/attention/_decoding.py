@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mmattn._chunk_cache import check_no_look_ahead
 from mmattn._helpers import default
-from mmattn.cache import ContextCache, KVCache, LocalKVCache, check_cache_call
+from mmattn.cache import ChunkCache, ContextCache, KVCache, LocalKVCache, check_cache_call
 from mmattn.masks import merge_masks
 
 
@@ -32,6 +33,8 @@ def check_cache_step(
         key_padding_mask=key_padding_mask, attn_mask=attn_mask,
         causal=is_causal or always_causal, position=module.position,
     )
+    if isinstance(cache, ChunkCache):
+        cache.check_owner(module)
 
 
 def cached_step(
@@ -39,7 +42,7 @@ def cached_step(
     q: Tensor,
     key: Tensor,
     value: Tensor,
-    cache: KVCache | LocalKVCache | ContextCache,
+    cache: KVCache | LocalKVCache | ContextCache | ChunkCache,
     key_padding_mask: Tensor | None,
     dropout_p: float,
     need_weights: bool,
@@ -65,8 +68,21 @@ def cached_step(
         if module.position is not None:
             offset = cache.offset
             q, k = module.position(q, offset), module.position(k, offset)
-        k, v, mask = cache.update(k, v)
+        padding = (key_padding_mask,) if isinstance(cache, ChunkCache) else ()
+        k, v, mask = cache.update(k, v, *padding)
     return module._attend_cached(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+
+
+def refuse_chunk_cache(module: nn.Module, kwargs: dict) -> None:
+    """Raise TypeError naming ``chunk`` (or ``left``/``right``) for a layer whose window
+    crosses chunk borders: its make_cache has no chunk cache."""
+    names = [name for name in ("chunk", "left", "right") if name in kwargs]
+    if names:
+        raise TypeError(
+            f"{type(module).__name__}.make_cache does not take {names[0]}=: its window "
+            "crosses chunk borders, so it cannot stream chunk by chunk; stream with "
+            "MultiHeadAttention trained with attn_mask=P.chunked(...) (docs/streaming.md)"
+        )
 
 
 class Decoding:
@@ -79,33 +95,73 @@ class Decoding:
     def make_cache(
         self,
         batch_size: int,
-        max_len: int,
+        max_len: int | None = None,
         *,
+        chunk: int | None = None,
+        left: int = 0,
+        right: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-    ) -> KVCache:
+    ) -> KVCache | ChunkCache:
         """A cache for decoding step by step: ``forward(x_step, is_causal=True, cache=cache)``.
 
         Each call appends its keys and values (after ``position``, at ``offset =
-        len(cache)``) and attends everything cached so far, causally.
+        len(cache)``) and attends everything cached so far, causally. With ``chunk=c``
+        the cache streams instead: ``forward(x_chunk, cache=cache)`` takes one chunk of
+        ``c`` tokens, which attends itself and the ``left`` chunks before it, as the
+        ``P.chunked(c, left=left)`` pattern (docs/streaming.md).
 
         Args:
             batch_size: the batch every decoding call has.
-            max_len: the most tokens the cache takes.
+            max_len: the most tokens the cache takes (decoding; not with ``chunk``).
+            chunk: tokens per chunk: make a :class:`~mmattn.cache.ChunkCache`.
+            left: past chunks each chunk attends (with ``chunk``).
+            right: future chunks; only 0 (a cache cannot look ahead).
             device, dtype: of the buffers (default: those of ``k_proj``'s weight).
 
         Returns:
-            A :class:`~mmattn.cache.KVCache` with (B, num_kv_heads, max_len, head_dim) buffers.
+            A :class:`~mmattn.cache.KVCache` with (B, num_kv_heads, max_len, head_dim) buffers,
+            or with ``chunk`` a :class:`~mmattn.cache.ChunkCache` of (B, num_kv_heads,
+            left * chunk, head_dim) buffers.
 
         Raises:
             ValueError: ``add_bias_kv`` / ``add_zero_attn`` modules (their appended keys have
-                no position in a growing sequence); bad sizes.
+                no position in a growing sequence); ``right > 0``; ``max_len`` with
+                ``chunk``; bad sizes.
+            TypeError: no ``max_len`` and no ``chunk``.
         """
         self._check_cacheable()
         weight = self.k_proj.weight
+        if chunk is not None or left or right:
+            return self._make_chunk_cache(
+                batch_size, max_len, chunk, left, right, default(device, weight.device),
+                default(dtype, weight.dtype),
+            )
+        if max_len is None:
+            raise TypeError(
+                f"{type(self).__name__}.make_cache needs max_len (decoding) or chunk= "
+                "(streaming), got neither"
+            )
         return KVCache(
             batch_size, max_len, self.num_kv_heads, self.head_dim,
             device=default(device, weight.device), dtype=default(dtype, weight.dtype),
+        )
+
+    def _make_chunk_cache(
+        self, batch_size: int, max_len: int | None, chunk: int | None, left: int, right: int,
+        device: torch.device | str, dtype: torch.dtype,
+    ) -> ChunkCache:
+        check_no_look_ahead(right)
+        if chunk is None:
+            raise TypeError(f"left={left} needs chunk= (the chunk size in tokens), got None")
+        if max_len is not None:
+            raise ValueError(
+                f"max_len={max_len} does not apply with chunk=: a ChunkCache holds left * "
+                "chunk keys, however long the stream"
+            )
+        return ChunkCache(
+            batch_size, chunk, left, self.num_kv_heads, self.head_dim, device=device,
+            dtype=dtype, owner=self,
         )
 
     def _cache_rules(self) -> tuple[int | None, bool]:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn.attention._decoding import refuse_chunk_cache
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.cache import LocalKVCache
 from mmattn.kernels.blocked import default_block_size, local_attend
@@ -179,10 +180,11 @@ class LocalAttention(MultiHeadAttention):
     def make_cache(
         self,
         batch_size: int,
-        max_len: int,
+        max_len: int | None = None,
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **streaming: object,
     ) -> LocalKVCache:
         """A ring cache of the last ``window_size`` keys for causal decoding: O(w) memory.
 
@@ -191,7 +193,12 @@ class LocalAttention(MultiHeadAttention):
 
         Raises:
             ValueError: ``num_global_tokens`` > 0 (global keys would need the whole past).
+            TypeError: ``chunk=`` (or ``left``/``right``): a band has no chunk cache.
         """
+        refuse_chunk_cache(self, streaming)
+        if streaming or max_len is None:  # (max_len is optional only for that message)
+            raise TypeError(f"LocalAttention.make_cache needs max_len, got max_len={max_len}"
+                            + (f" and unexpected {sorted(streaming)}" if streaming else ""))
         self._check_cacheable()
         weight = self.k_proj.weight
         return LocalKVCache(

@@ -29,7 +29,7 @@ from mmattn.attention._inputs import check_inputs
 from mmattn.attention._interop import TorchInterop
 from mmattn.attention._nested import nested_forward
 from mmattn.attention._packed import attend_values, packed_forward
-from mmattn.cache import ContextCache, KVCache, LocalKVCache
+from mmattn.cache import ChunkCache, ContextCache, KVCache, LocalKVCache
 from mmattn.kernels.dense import attend
 from mmattn.kernels.packed import is_jagged
 from mmattn.masks import merge_masks
@@ -114,7 +114,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
 
     #: The caches ``forward(..., cache=)`` takes: what :meth:`make_cache` makes, and the
     #: projected context of cross-attention.
-    cache_kinds: ClassVar[tuple[type, ...]] = (KVCache, ContextCache)
+    cache_kinds: ClassVar[tuple[type, ...]] = (KVCache, ContextCache, ChunkCache)
 
     def __init__(
         self,
@@ -284,7 +284,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
         *,
-        cache: KVCache | LocalKVCache | ContextCache | None = None,
+        cache: KVCache | LocalKVCache | ContextCache | ChunkCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend ``query`` over ``key``/``value``; see the class docstring for shapes.
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn._helpers import default, exporting
+from mmattn.attention._decoding import refuse_chunk_cache
 from mmattn.attention._neighborhood_geometry import (
     check_exportable,
     check_geometry,
@@ -168,6 +169,7 @@ class NeighborhoodAttention(MultiHeadAttention):
 
     def make_cache(self, *args: Any, **kwargs: Any) -> None:
         """Not available: a 2-D window has no step-by-step decoding order."""
+        refuse_chunk_cache(self, kwargs)
         raise ValueError(
             "NeighborhoodAttention has no cache: a 2-D window sees patches below and right of "
             "the query, so images cannot be decoded token by token"

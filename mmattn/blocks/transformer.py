@@ -27,7 +27,8 @@ from mmattn.attention.cross import CrossAttention
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.blocks._packed import attend_packed, check_same_layout
 from mmattn.blocks._parts import MLP, block_attn_mask, check_common
-from mmattn.cache import ContextCache
+from mmattn.blocks._streaming import StreamingEncoder
+from mmattn.cache import ContextCache, EncoderCache
 from mmattn.kernels.packed import contiguous_parts, jagged
 from mmattn.registry import AttentionSpec, build_attention, resolve_attention
 from mmattn.tokens import Tokens, check_tokens
@@ -174,8 +175,8 @@ class TransformerBlock(nn.Module):
     ) -> Tokens:
         """Self-attend and transform ``tokens``; see the class docstring.
 
-        ``cache`` (from ``block.attn.make_cache(...)``, causal blocks only) decodes step by
-        step: ``tokens`` are the new tokens, attending everything cached before them.
+        ``cache`` (``block.attn.make_cache(...)``) decodes step by step (causal blocks) or
+        streams one chunk (a ChunkCache): ``tokens`` are the new tokens (docs/streaming.md).
         """
         traced = fx_leaf(self, (tokens,), {"attn_mask": attn_mask, "cache": cache})
         if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
@@ -331,7 +332,7 @@ class CrossAttentionBlock(nn.Module):
         return query.replace(query.zero_padding(x))
 
 
-class Encoder(nn.Module):
+class Encoder(StreamingEncoder, nn.Module):
     """A stack of :class:`TransformerBlock` and a final LayerNorm, Tokens in and out.
 
     Args:
@@ -405,11 +406,14 @@ class Encoder(nn.Module):
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, depth={self.depth}"
 
-    def forward(self, tokens: Tokens, attn_mask: Tensor | None = None) -> Tokens:
-        """Run every block, then the final norm; see the class docstring."""
-        traced = fx_leaf(self, (tokens,), {"attn_mask": attn_mask})
+    def forward(self, tokens: Tokens, attn_mask: Tensor | None = None, *,
+                cache: EncoderCache | None = None) -> Tokens:
+        """Run every block, then the final norm (with ``cache``: one chunk of a stream)."""
+        traced = fx_leaf(self, (tokens,), {"attn_mask": attn_mask, "cache": cache})
         if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
             return traced
+        if cache is not None:
+            return self._stream(tokens, cache, attn_mask)
         check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
         if tokens.is_packed:  # unwrap once: every block works on the packed rows
             values, offsets = contiguous_parts(tokens.x)

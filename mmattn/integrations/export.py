@@ -12,6 +12,8 @@ dynamo=True)``); this module only fills the two gaps (docs/deploy.md):
   program, so exporting a call that takes one is refused. ``DecodeStep`` is the functional
   form: the cache goes in and comes out as a tuple of plain tensors, ``out, state =
   step(x, state)``; nothing is written in place, so the exported step is a pure function.
+- :class:`ChunkStep` (``_chunk_step.py``): the same for a streaming encoder and its chunk
+  caches (docs/streaming.md).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from torch.utils import _pytree as pytree
 
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.cache import ContextCache
+from mmattn.integrations._chunk_step import ChunkStep
 from mmattn.tokens import Tokens
 
-__all__ = ["DecodeStep", "tokens_dynamic_shapes"]
+__all__ = ["ChunkStep", "DecodeStep", "tokens_dynamic_shapes"]
 
 
 def tokens_dynamic_shapes(tokens: Tokens, batch: Any = None, length: Any = None) -> list[Any]:

@@ -76,3 +76,16 @@ def test_caption_decoder_cached_steps_equal_the_whole_sequence(tmp_path, capsys)
     out = capsys.readouterr().out
     diff = float(out.split("max |logit diff| = ")[1].split()[0])
     assert diff <= 1e-4
+
+
+def test_audio_stream_streams_the_offline_numbers(tmp_path, capsys):
+    from examples import audio_stream
+
+    results = audio_stream.run(quick=True, out_dir=tmp_path, show_progress=False)
+    check = {r.example: r for r in results}
+    assert check["audio_stream/equal"].value == 1.0  # every clip's logits within 1e-4
+    out = capsys.readouterr().out
+    diff = float(out.split("max |streamed - offline logit| = ")[1].split()[0])
+    assert diff <= 1e-4
+    assert "latency per 80 ms chunk: median" in out
+    assert check["audio_stream/latency"].baseline == 80.0

@@ -174,7 +174,8 @@ def test_cache_of_another_kind_window_or_device_raises():
     full, local = MultiHeadAttention(D, H), LocalAttention(D, H, 2)
     cross = CrossAttention(D, H)
     x = torch.randn(B, 1, D)
-    for module, cache, kind in ((full, local.make_cache(B, 8), "KVCache or ContextCache"),
+    full_kinds = "KVCache, ContextCache or ChunkCache"
+    for module, cache, kind in ((full, local.make_cache(B, 8), full_kinds),
                                 (local, full.make_cache(B, 8), "LocalKVCache"),
                                 (local, cross.make_cache(B, 8), "LocalKVCache"),
                                 (cross, full.make_cache(B, 8), "ContextCache")):
