@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import mmattn  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
     add_docs_argument,
     child_peak_memory,
@@ -31,8 +32,6 @@ from benchmarks._harness import (  # noqa: E402
     print_child_peak,
     write_docs,
 )
-
-import mmattn  # noqa: E402
 
 TARGET = 1.05
 

@@ -35,6 +35,7 @@ PAGES = [
     "decoding.md",
     "packed.md",
     "integrations.md#timm",
+    "integrations.md#torchvision",
     "integrations.md#hugging-face-transformers",
     "deploy.md",
 ]
@@ -43,6 +44,7 @@ NEEDS = {
     "adapters/graph.md": "torch_geometric",
     "debugging.md": "matplotlib",
     "integrations.md#timm": "timm",
+    "integrations.md#torchvision": "torchvision",
     "integrations.md#hugging-face-transformers": "transformers",
     "deploy.md": "onnxruntime",
 }
