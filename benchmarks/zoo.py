@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -112,7 +113,9 @@ def main() -> None:
     facts = (
         f"torchvision swin_t, random init, train mode (stochastic depth off), batch "
         f"{args.batch} at {size} x {size}, fp32; {repeats} interleaved repeats, medians; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread."
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread; machine load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end (wall time counts the "
+        "other processes, CPU time hardly)."
     )
     print(facts)
     print(table)
