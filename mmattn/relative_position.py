@@ -148,6 +148,40 @@ class RelativePositionBias(nn.Module):
         )
         self.reset_parameters()
 
+    @classmethod
+    def from_nat(cls, rpb: Tensor) -> RelativePositionBias:
+        """The table of a NAT / DiNAT checkpoint's ``rpb`` parameter (NATTEN's layout).
+
+        NATTEN indexes its (H, 2kh - 1, 2kw - 1) ``rpb`` by key minus query; Swin's table by
+        query minus key, flattened: the same numbers, flipped along both offset axes.
+
+        Args:
+            rpb: NAT's (num_heads, 2 kh - 1, 2 kw - 1) bias, for a (kh, kw) kernel.
+
+        Raises:
+            ValueError: ``rpb`` is not 3-D with odd offset axes.
+
+        Examples:
+            >>> nat = torch.randn(2, 5, 5)  # NAT's rpb for a 3 x 3 kernel, 2 heads
+            >>> ours = RelativePositionBias.from_nat(nat)
+            >>> ours.window, bool(ours.lookup(torch.tensor(1), torch.tensor(-2))[0] == nat[0, 1, 4])
+            ((3, 3), True)
+        """
+        if not isinstance(rpb, Tensor) or rpb.dim() != 3 or rpb.shape[1] % 2 == 0 or (
+            rpb.shape[2] % 2 == 0
+        ):
+            shape = tuple(rpb.shape) if isinstance(rpb, Tensor) else type(rpb).__name__
+            raise ValueError(
+                f"rpb must be NAT's (num_heads, 2 kh - 1, 2 kw - 1) tensor, got {shape}"
+            )
+        heads, rows, cols = rpb.shape
+        new = cls(heads, ((rows + 1) // 2, (cols + 1) // 2), device=rpb.device, dtype=rpb.dtype)
+        with torch.no_grad():
+            new.relative_position_bias_table.copy_(
+                rearrange(rpb.flip(1, 2), "h r c -> (r c) h")
+            )
+        return new
+
     def reset_parameters(self) -> None:
         """Draw the table as Swin does: ``trunc_normal_(std=0.02)``."""
         nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)

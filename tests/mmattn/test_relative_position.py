@@ -118,3 +118,58 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"table must have shape \(25, 2\) for the window "
                        r"\(3, 3\) and 2 heads, got \(81, 2\)"):
         rpb.load_state_dict(RelativePositionBias(2, 5).state_dict())
+
+
+def _natten_pb_start(index: int, length: int, kernel: int, dilation: int) -> int:
+    """NATTEN's ``get_pb_start`` (its naive CPU kernels): where query ``index``'s first
+    neighbour reads the (2k - 1) bias axis; neighbour ``ki`` reads ``pb_start + ki``."""
+    half = kernel // 2
+    if dilation <= 1:
+        return (half + (index < half) * (half - index)
+                + (index + half >= length) * (length - index - 1 - half))
+    if index - half * dilation < 0:
+        return kernel - 1 - index // dilation
+    if index + half * dilation >= length:
+        return (length - index - 1) // dilation
+    return half
+
+
+def _natten_window_start(index: int, length: int, kernel: int, dilation: int) -> int:
+    """NATTEN's ``get_window_start``: the first key of query ``index``'s window."""
+    half = kernel // 2
+    if dilation <= 1:
+        return max(index - half, 0) + (index + half >= length) * (length - index - half - 1)
+    start = index - half * dilation
+    if start < 0:
+        return index % dilation
+    if index + half * dilation >= length:
+        imod = index % dilation
+        a = (length // dilation) * dilation
+        b = length - a
+        return length - b + imod - 2 * half * dilation if imod < b else a + imod - kernel * dilation
+    return start
+
+
+@pytest.mark.parametrize("length, kernel, dilation", [(7, 3, 1), (9, 5, 1), (11, 3, 2), (5, 5, 1)])
+def test_from_nat_reads_natten_s_bias_of_every_neighbour(length, kernel, dilation):
+    """Per axis, NATTEN adds rpb[pb_start(i) + ki] for the neighbour at window_start(i) + ki·d;
+    ours adds lookup(i - key) with the table converted by from_nat."""
+    gen = torch.Generator().manual_seed(0)
+    nat = torch.randn(2, 2 * kernel - 1, 2 * kernel - 1, generator=gen)
+    ours = RelativePositionBias.from_nat(nat)
+    assert ours.window == (kernel, kernel)
+    for i in range(length):
+        pi = _natten_pb_start(i, length, kernel, dilation)
+        key_i = [_natten_window_start(i, length, kernel, dilation) + ki * dilation
+                 for ki in range(kernel)]
+        j = (i * 3) % length  # a column query too
+        pj = _natten_pb_start(j, length, kernel, dilation)
+        key_j = [_natten_window_start(j, length, kernel, dilation) + kj * dilation
+                 for kj in range(kernel)]
+        for ki, ri in enumerate(key_i):
+            for kj, cj in enumerate(key_j):
+                got = ours.lookup(torch.tensor((i - ri) // dilation),
+                                  torch.tensor((j - cj) // dilation))
+                torch.testing.assert_close(got, nat[:, pi + ki, pj + kj], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="rpb must be NAT's"):
+        RelativePositionBias.from_nat(torch.zeros(2, 4, 5))
