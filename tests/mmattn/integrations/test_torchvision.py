@@ -102,7 +102,6 @@ def test_swap_keeps_state_dict_tensors_and_settings(version):
     assert mmattn.replace_attention(model) == 0  # already ours
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("builder", ["swin_t", "swin_v2_t"])
 def test_swin_t_and_swin_v2_t_give_stock_logits_and_gradients(builder):
     models = pytest.importorskip("torchvision.models")
