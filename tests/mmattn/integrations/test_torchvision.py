@@ -195,7 +195,7 @@ def test_fx_traced_swapped_swin_equals_eager():
 
 
 @pytest.mark.slow
-def test_compiled_swapped_window_attention_equals_eager():
+def test_compiled_and_exported_swapped_window_attention_equal_eager():
     attn = ShiftedWindowAttentionV2(8, [3, 3], [1, 1], 2)
     x = torch.randn(2, 5, 7, 8, requires_grad=True)
     want = attn(x)
@@ -207,6 +207,9 @@ def test_compiled_swapped_window_attention_equals_eager():
     torch._dynamo.reset()
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(got_grad, want_grad, **TOL)
+    with torch.no_grad():
+        exported = torch.export.export(attn, (x.detach(),)).module()
+        torch.testing.assert_close(exported(x.detach()), want.detach(), **TOL)
 
 
 def test_import_without_torchvision_names_the_extra(monkeypatch):
