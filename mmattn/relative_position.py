@@ -26,7 +26,17 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from mmattn._checks import check_factory_dtype, check_grid, check_pair, check_positive_int
+from mmattn._checks import (
+    check_factory_dtype,
+    check_floating,
+    check_grid,
+    check_integer_dtype,
+    check_pair,
+    check_positive_int,
+    check_rank,
+    check_same_device,
+    check_tensor,
+)
 
 __all__ = ["RelativePositionBias", "relative_position_bias", "relative_position_index"]
 
@@ -68,12 +78,33 @@ def relative_position_bias(table: Tensor, index: Tensor) -> Tensor:
         - table: ((2 rows - 1)(2 cols - 1), h); index: (n, n) or (n * n,)
         - returns: (h, n, n), contiguous
 
+    Raises:
+        TypeError: ``table`` is not a floating tensor, ``index`` not an integer one.
+        ValueError: ``table`` is not 2-D, ``index`` not (n, n) or (n * n,), or the two are
+            on different devices.
+
     Examples:
         >>> table = torch.arange(3.0).reshape(3, 1)  # a (1, 2) window, one head
         >>> relative_position_bias(table, relative_position_index((1, 2)))
         tensor([[[1., 0.],
                  [2., 1.]]])
     """
+    check_tensor("table", table)
+    check_floating("table", table)
+    check_rank("table", table, (2,), "(offsets, heads)")
+    check_tensor("index", index)
+    check_integer_dtype("index", index)
+    n = int(round(index.numel() ** 0.5))
+    if n * n != index.numel() or index.dim() not in (1, 2) or (
+        index.dim() == 2 and index.shape[0] != index.shape[1]
+    ):
+        raise ValueError(f"index must be (n, n) or (n * n,), got {tuple(index.shape)}")
+    check_same_device("index", index, "table", table)
+    return gather_bias(table, index)
+
+
+def gather_bias(table: Tensor, index: Tensor) -> Tensor:
+    """:func:`relative_position_bias` unchecked (the per-call form inside modules)."""
     n = int(round(index.numel() ** 0.5))
     bias = table[index.reshape(-1)]  # ((i j), h)
     return rearrange(bias, "(i j) h -> h i j", i=n, j=n).contiguous()
@@ -204,9 +235,7 @@ class RelativePositionBias(nn.Module):
                 f"grid must match the table's window {self.window} (a table of "
                 f"{table_rows(self.window)} offsets), got {tuple(grid)}"
             )
-        return relative_position_bias(
-            self.relative_position_bias_table, self.relative_position_index
-        )
+        return gather_bias(self.relative_position_bias_table, self.relative_position_index)
 
     def lookup(self, d_rows: Tensor, d_cols: Tensor) -> Tensor:
         """The bias of relative offsets (query minus key, in rows and columns), per head.

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from mmattn.integrations._swap import adopt
 from mmattn.kernels.biased import biased_attend
 from mmattn.kernels.dense import attend
-from mmattn.relative_position import relative_position_bias
+from mmattn.relative_position import gather_bias
 
 __all__ = [
     "MHSA",
@@ -127,9 +127,7 @@ class WindowAttention(_Adopting, _swin.WindowAttention):
         q, k, v = rearrange(
             self.qkv(x), "b n (three h e) -> three b h n e", three=3, h=self.num_heads
         ).unbind(0)
-        bias = relative_position_bias(
-            self.relative_position_bias_table, self.relative_position_index
-        )
+        bias = gather_bias(self.relative_position_bias_table, self.relative_position_index)
         if mask is not None:  # windows of one image share the mask: (b w) -> b w
             windows = mask.shape[0]
             q, k, v = (rearrange(t, "(b w) h n e -> b w h n e", w=windows) for t in (q, k, v))

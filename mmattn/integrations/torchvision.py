@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from mmattn import _checks as checks
 from mmattn.integrations._swap import adopt, swap_modules
 from mmattn.kernels.biased import biased_attend
-from mmattn.relative_position import relative_position_bias
+from mmattn.relative_position import gather_bias
 
 __all__ = [
     "ShiftedWindowAttention",
@@ -130,7 +130,7 @@ def shifted_window_attention(
     if logit_scale is not None:  # cosine attention, a learned temperature per head
         tau = torch.clamp(logit_scale, max=math.log(100.0)).exp()
         q, k, scale = F.normalize(q, dim=-1) * tau.to(q.dtype), F.normalize(k, dim=-1), 1.0
-    bias = relative_position_bias(table, index)
+    bias = gather_bias(table, index)
     if any(shift):  # (w, 1, n, n) + (h, n, n) -> (w, h, n, n)
         bias = bias + shift_mask(padded, (wh, ww), tuple(shift), x.device, bias.dtype)[:, None]
     dropout_p = attention_dropout if training else 0.0

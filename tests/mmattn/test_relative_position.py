@@ -173,3 +173,17 @@ def test_from_nat_reads_natten_s_bias_of_every_neighbour(length, kernel, dilatio
                 torch.testing.assert_close(got, nat[:, pi + ki, pj + kj], atol=0, rtol=0)
     with pytest.raises(ValueError, match="rpb must be NAT's"):
         RelativePositionBias.from_nat(torch.zeros(2, 4, 5))
+
+
+def test_relative_position_bias_checks_its_table_and_index():
+    index = relative_position_index(2)
+    with pytest.raises(TypeError, match="table must have a floating-point dtype"):
+        relative_position_bias(torch.zeros(9, 2, dtype=torch.long), index)
+    with pytest.raises(ValueError, match="table must be a 2-D tensor"):
+        relative_position_bias(torch.zeros(9), index)
+    with pytest.raises(TypeError, match="index must have an integer dtype"):
+        relative_position_bias(torch.zeros(9, 2), index.float())
+    with pytest.raises(ValueError, match=r"index must be \(n, n\) or \(n \* n,\), got \(4, 3\)"):
+        relative_position_bias(torch.zeros(9, 2), index[:, :3])
+    with pytest.raises(TypeError, match="table must be a torch.Tensor"):
+        relative_position_bias([[0.0]], index)

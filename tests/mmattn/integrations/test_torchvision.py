@@ -102,21 +102,28 @@ def test_swap_keeps_state_dict_tensors_and_settings(version):
     assert mmattn.replace_attention(model) == 0  # already ours
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("builder", ["swin_t", "swin_v2_t"])
 def test_swin_t_and_swin_v2_t_give_stock_logits_and_gradients(builder):
+    """fp32 logits within 1e-5; gradients in float64. In fp32 swin_v2_t's input gradient is
+    rounding-bound: stock itself is 7e-5 off its float64 self there (ours 6e-5)."""
     models = pytest.importorskip("torchvision.models")
     torch.manual_seed(0)
     stock = getattr(models, builder)()
     for module in stock.modules():  # stochastic depth draws per call: off in train mode
         if type(module).__name__ == "StochasticDepth":
             module.p = 0.0
+    model = copy.deepcopy(stock)
+    assert mmattn.replace_attention(model) == 12  # 2 + 2 + 6 + 2 blocks
     x = _images("cpu", size=(32, 32), batch=1)  # 8 x 8 maps: padded to 14 x 14, shifted
-    want = [_run(stock, x, mode)[:2] for mode in ("eval", "train")]
-    assert mmattn.replace_attention(stock) == 12  # 2 + 2 + 6 + 2 blocks
-    got = [_run(stock, x, mode)[:2] for mode in ("eval", "train")]
-    for (a, a_x), (b, b_x) in zip(got, want):
-        torch.testing.assert_close(a, b, **TOL)
-        torch.testing.assert_close(a_x, b_x, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), stock.eval()(x), **TOL)
+    stock, model, x = stock.double(), model.double(), x.double()
+    for mode in ("eval", "train"):
+        want, want_x, _ = _run(stock, x, mode)
+        got, got_x, _ = _run(model, x, mode)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(got_x, want_x, atol=1e-10, rtol=1e-10)
 
 
 def test_shift_mask_is_torchvisions():
