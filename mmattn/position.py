@@ -3,7 +3,7 @@
 Axis key: ``b`` batch, ``l`` sequence length, ``d`` model width, ``h``/``w`` rows and columns
 of a 2D grid, ``e`` the width a rotary encoding rotates (usually a head's width).
 
-Four kinds, each a pure function plus a small module:
+Five kinds, each a pure function plus a small module:
 
 - sinusoidal 1D (Vaswani et al., 2017): :func:`sinusoidal_1d`,
   :class:`SinusoidalPositionalEncoding`;
@@ -13,7 +13,9 @@ Four kinds, each a pure function plus a small module:
   :class:`LearnedPositionalEmbedding`, :class:`LearnedPositionalEmbedding2d`;
 - rotary (Su et al., RoFormer), "rotate half" layout: :func:`rotary_cos_sin`,
   :func:`apply_rotary`, :class:`RotaryEmbedding` (defined in :mod:`mmattn.rotary`,
-  re-exported here).
+  re-exported here);
+- Swin's learned relative-position bias table, for windows and neighbourhoods:
+  :class:`RelativePositionBias` (defined in :mod:`mmattn.relative_position`).
 
 The additive modules return ``x + position``; they never change the dtype of ``x`` and take
 only floating ``x``. Every length may be 0 (an empty table, ``x`` returned unchanged); grids
@@ -41,15 +43,23 @@ from mmattn._checks import (
     check_same_device,
 )
 from mmattn._helpers import surely
+from mmattn.relative_position import (
+    RelativePositionBias,
+    relative_position_bias,
+    relative_position_index,
+)
 from mmattn.rotary import RotaryEmbedding, apply_rotary, rotary_cos_sin
 
 __all__ = [
     "LearnedPositionalEmbedding",
     "LearnedPositionalEmbedding2d",
+    "RelativePositionBias",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "apply_rotary",
     "position_1d",
+    "relative_position_bias",
+    "relative_position_index",
     "resample_2d",
     "rotary_cos_sin",
     "sinusoidal_1d",

@@ -536,6 +536,11 @@ NOT_IN_MATRIX = {
     "adapters.available": "no input",
     "adapters.create": "a name (named case)",
     "adapters.image_transform": "torchvision's pipeline",
+    "position.RelativePositionBias": "its forward takes a grid, not a tensor (named cases: "
+                                     "tests/mmattn/test_relative_position.py)",
+    "position.relative_position_index": "a window, int arguments",
+    "position.relative_position_bias": "a table and an index, each checked by name (named "
+                                       "cases: tests/mmattn/test_relative_position.py)",
     "adapters.num_frames": "int arguments",
     "distributed.SequenceParallel": "needs a process group of several ranks: bad input on one "
                                     "or every rank is raised on every rank, never a hang "

@@ -36,6 +36,7 @@ PAGES = [
     "streaming.md",
     "packed.md",
     "integrations.md#timm",
+    "integrations.md#torchvision",
     "integrations.md#hugging-face-transformers",
     "deploy.md",
 ]
@@ -45,6 +46,7 @@ NEEDS = {
     "adapters/graph.md": "torch_geometric",
     "debugging.md": "matplotlib",
     "integrations.md#timm": "timm",
+    "integrations.md#torchvision": "torchvision",
     "integrations.md#hugging-face-transformers": "transformers",
     "deploy.md": "onnxruntime",
 }

@@ -16,7 +16,6 @@ module without timm raises ImportError naming the ``mmattn[timm]`` extra.
 
 from __future__ import annotations
 
-import warnings
 from typing import ClassVar
 
 try:
@@ -32,10 +31,28 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn.integrations._slots import module_slots
+from mmattn.integrations import _timm_models as _models
+from mmattn.integrations._swap import swap_modules
+from mmattn.integrations._timm_models import (
+    MHSA,
+    Attention2d,
+    AttentionCl,
+    EvaAttention,
+    RelPosAttention,
+    WindowAttention,
+)
 from mmattn.kernels.dense import attend, explicit_reasons, report, reporting
 
-__all__ = ["Attention", "replace_timm_attention"]
+__all__ = [
+    "MHSA",
+    "Attention",
+    "Attention2d",
+    "AttentionCl",
+    "EvaAttention",
+    "RelPosAttention",
+    "WindowAttention",
+    "replace_timm_attention",
+]
 
 TimmAttention = _timm_layers.Attention
 
@@ -318,13 +335,19 @@ def _at_least_2d(mask: Tensor | None) -> Tensor | None:
 
 
 def replace_timm_attention(model: nn.Module) -> int:
-    """Swap every ``timm.layers.Attention`` inside ``model`` for :class:`Attention`, in place.
+    """Swap the attention modules of timm's models inside ``model`` for ours, in place.
 
-    Each one becomes ``Attention.from_timm(m)``: the same submodules and parameters (so
-    weights, device, dtype, ``requires_grad`` and the state-dict keys are kept), mode and
-    ``fused_attn`` flag. A module shared by several parents stays shared. A subclass of
-    timm's ``Attention`` that overrides ``forward`` is skipped with a warning (its behaviour
-    is not timm's). :func:`mmattn.replace_attention` calls this when timm is loaded.
+    Each ``timm.layers.Attention`` becomes ``Attention.from_timm(m)``: the same submodules
+    and parameters (so weights, device, dtype, ``requires_grad`` and the state-dict keys are
+    kept), mode and ``fused_attn`` flag. Swin's ``WindowAttention``, EVA's ``EvaAttention``,
+    ``RelPosAttention`` (``vit_relpos_*``), MaxViT's ``AttentionCl`` / ``Attention2d`` and
+    ConViT's ``MHSA`` become our subclasses of them (:class:`WindowAttention`, ...), holding
+    the very same parameters, buffers and settings. A module shared by several parents stays
+    shared. Skipped with a warning that names the module and the reason: a subclass that
+    overrides ``forward`` (its behaviour is not timm's), ConViT's ``GPSA`` (two softmax maps
+    mixed by a gate: no single softmax over biased scores computes it), and a
+    ``RelPosAttention`` / MaxViT attention whose ``rel_pos`` is not one of timm's bias
+    modules. :func:`mmattn.replace_attention` calls this when timm is loaded.
 
     Args:
         model: any ``nn.Module``; it is modified in place.
@@ -334,8 +357,8 @@ def replace_timm_attention(model: nn.Module) -> int:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: ``model`` is itself a timm ``Attention`` (no parent to put the new one
-            in: use :meth:`Attention.from_timm`).
+        ValueError: ``model`` is itself a timm attention module (no parent to put the new
+            one in: use ``from_timm`` of the matching class).
 
     Examples:
         >>> from timm.models.vision_transformer import VisionTransformer
@@ -348,27 +371,12 @@ def replace_timm_attention(model: nn.Module) -> int:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, TimmAttention):
+    stock = (TimmAttention, *(c for c, rule in _models.RULES.items() if callable(rule)))
+    if isinstance(model, stock) and not isinstance(model, (Attention, *_models.OURS)):
+        ours = "Attention" if isinstance(model, TimmAttention) else type(model).__name__
         raise ValueError(
-            "model is itself a timm Attention and cannot be replaced in place; use "
-            "mmattn.integrations.timm.Attention.from_timm(model)"
+            f"model is itself a timm {type(model).__name__} and cannot be replaced in place; "
+            f"use mmattn.integrations.timm.{ours}.from_timm(model)"
         )
-    replaced: dict[int, nn.Module] = {}
-    skipped: set[int] = set()
-    for parent_name, parent, name, child in module_slots(model):  # every slot: ties kept
-        if not isinstance(child, TimmAttention):
-            continue
-        if type(child).forward is not TimmAttention.forward:
-            if id(child) not in skipped:
-                skipped.add(id(child))
-                path = f"{parent_name}.{name}" if parent_name else name
-                warnings.warn(
-                    f"replace_attention skipped {path}: {type(child).__name__} overrides "
-                    "timm.layers.Attention.forward",
-                    stacklevel=2,
-                )
-            continue
-        if id(child) not in replaced:
-            replaced[id(child)] = Attention.from_timm(child)
-        setattr(parent, name, replaced[id(child)])
-    return len(replaced)
+    rules = {TimmAttention: Attention.from_timm, **_models.RULES}
+    return swap_modules(model, rules, ours=(Attention, *_models.OURS))

@@ -115,6 +115,10 @@ def replace_attention(
         from mmattn.integrations.timm import replace_timm_attention
 
         count += replace_timm_attention(model)
+    if sys.modules.get("torchvision.models.swin_transformer") is not None:
+        from mmattn.integrations.torchvision import replace_torchvision_attention
+
+        count += replace_torchvision_attention(model)
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoder):
             module.use_nested_tensor = False

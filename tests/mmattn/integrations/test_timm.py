@@ -442,14 +442,15 @@ def test_import_without_timm_names_the_extra(monkeypatch):
     importlib.import_module("mmattn.integrations.timm")
 
 
-def test_mmattn_and_replace_attention_do_not_import_timm():
+def test_mmattn_and_replace_attention_do_not_import_timm_or_torchvision():
     code = (
         "import sys, torch, mmattn\n"
         "layer = torch.nn.TransformerEncoderLayer(8, 2, batch_first=True)\n"
-        "print(mmattn.replace_attention(layer), 'timm' in sys.modules,\n"
-        "      'mmattn.integrations.timm' in sys.modules)\n"
+        "print(mmattn.replace_attention(layer), *(name in sys.modules for name in (\n"
+        "    'timm', 'mmattn.integrations.timm', 'torchvision',\n"
+        "    'mmattn.integrations.torchvision')))\n"
     )
     root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, check=True)
-    assert out.stdout.split() == ["1", "False", "False"]
+    assert out.stdout.split() == ["1", "False", "False", "False", "False"]
