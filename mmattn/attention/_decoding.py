@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from mmattn._helpers import default
+from mmattn.attention._modifiers import ring_positions, step_modifiers
 from mmattn.cache import ContextCache, KVCache, LocalKVCache, check_cache_call
+from mmattn.kernels.modifiers import Modifiers
 from mmattn.masks import merge_masks
 
 
@@ -60,13 +62,18 @@ def cached_step(
                 dtype=q.dtype,
             )
         k, v, mask = cache.update(k, v, mask)
+        ring = None
     else:
         k, v = module._project_kv(key, value)
         if module.position is not None:
             offset = cache.offset
             q, k = module.position(q, offset), module.position(k, offset)
+        ring = ring_positions(cache)
         k, v, mask = cache.update(k, v)
-    return module._attend_cached(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+    modifiers = step_modifiers(module, cache, q.shape[2], k.shape[2], ring)
+    return module._attend_cached(
+        q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights, modifiers=modifiers
+    )
 
 
 class Decoding:
@@ -121,9 +128,11 @@ class Decoding:
 
     def _attend_cached(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
-        need_weights: bool,
+        need_weights: bool, modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attention over what a cache returned; its mask already holds the causal rule."""
+        """Attention over what a cache returned; its mask already holds the causal rule, and
+        ``modifiers`` the positions of the step (:func:`~._modifiers.step_modifiers`)."""
         return self._attention(
-            q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights
+            q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights,
+            modifiers=modifiers,
         )

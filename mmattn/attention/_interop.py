@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from mmattn.attention import _in_proj
 from mmattn.attention._init import draw_like_torch
+from mmattn.attention._modifiers import check_no_modifiers
 
 __all__: list[str] = []
 
@@ -408,6 +409,7 @@ class TorchInterop:
                 or grouped-query attention / a ``position`` module (torch has neither).
         """
         _check_torch_twin(type(self), "to_torch")
+        check_no_modifiers(self, "to_torch")
         if self.num_kv_heads != self.num_heads or self.position is not None:
             raise NotImplementedError(
                 f"to_torch is not available with num_kv_heads={self.num_kv_heads} (of "
