@@ -131,8 +131,10 @@ class Decoding:
         need_weights: bool, modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention over what a cache returned; its mask already holds the causal rule, and
-        ``modifiers`` the positions of the step (:func:`~._modifiers.step_modifiers`)."""
+        ``modifiers`` the positions of the step (:func:`~._modifiers.step_modifiers`; passed
+        only when there are any, so a variant's ``_attention`` without the keyword works)."""
+        extra = {} if modifiers is None else {"modifiers": modifiers}
         return self._attention(
             q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights,
-            modifiers=modifiers,
+            **extra,
         )

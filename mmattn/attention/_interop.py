@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from mmattn.attention import _in_proj
 from mmattn.attention._init import draw_like_torch
-from mmattn.attention._modifiers import check_no_modifiers
+from mmattn.attention._modifiers import check_no_modifiers, modifier_settings
 
 __all__: list[str] = []
 
@@ -63,6 +63,7 @@ def constructor_kwargs(cls: type, module: nn.MultiheadAttention, extra: dict[str
     }
     if getattr(module, "position", None) is not None:  # an mmattn source's positions
         settings["position"] = module.position
+    settings.update(modifier_settings(module))  # and its sinks, softcap, ALiBi
     taken = sorted(set(extra) & set(settings))
     if taken:
         shown = ", ".join(f"{name}={settings[name]!r}" for name in taken)
@@ -125,6 +126,8 @@ def copy_weights(source: nn.MultiheadAttention, target: nn.Module) -> None:
         pairs.append((target.out_proj.bias, source.out_proj.bias))
     if source.bias_k is not None:
         pairs += [(target.bias_k, source.bias_k), (target.bias_v, source.bias_v)]
+    if getattr(source, "sinks", None) is not None:
+        pairs.append((target.sinks, source.sinks))
     with torch.no_grad():
         for param, value in pairs:
             param.copy_(value)

@@ -11,6 +11,8 @@ in :mod:`mmattn.kernels.modifiers`; docs/variants.md ("Score modifiers") has the
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 
@@ -35,12 +37,21 @@ def init_modifiers(
         TypeError: ``sinks`` or ``alibi`` is not a bool; ``softcap`` is not a number.
         ValueError: ``softcap`` <= 0 (or not finite); ``alibi=True`` on a layer whose keys
             have no distance to the queries (the message says why), or with
-            ``add_bias_kv`` / ``add_zero_attn`` (appended keys have no position).
+            ``add_bias_kv`` / ``add_zero_attn`` (appended keys have no position); any of
+            them on a variant whose ``_attention`` takes no ``modifiers`` (it would ignore
+            them).
     """
     checks.check_bool("sinks", sinks)
     checks.check_bool("alibi", alibi)
     if softcap is not None:
         softcap = checks.check_number("softcap", softcap, positive=True)
+    if sinks or alibi or softcap is not None:
+        hook = inspect.signature(type(module)._attention).parameters
+        if "modifiers" not in hook and not any(p.kind is p.VAR_KEYWORD for p in hook.values()):
+            raise ValueError(
+                f"{type(module).__name__} does not apply score modifiers (sinks, softcap, "
+                "alibi): its _attention takes no modifiers= keyword, so it would ignore them"
+            )
     if alibi:
         refusal = getattr(type(module), "alibi_refusal", None)
         if refusal is None and (module.bias_k is not None or module.add_zero_attn):
@@ -78,6 +89,19 @@ def modifier_repr(module: nn.Module) -> list[str]:
     if getattr(module, "alibi_slopes", None) is not None:
         parts.append("alibi=True")
     return parts
+
+
+def modifier_settings(module: nn.Module) -> dict:
+    """The constructor arguments of a source module's modifiers (``from_torch`` of an mmattn
+    module keeps them; a torch module has none)."""
+    settings = {}
+    if getattr(module, "sinks", None) is not None:
+        settings["sinks"] = True
+    if getattr(module, "softcap", None) is not None:
+        settings["softcap"] = module.softcap
+    if getattr(module, "alibi_slopes", None) is not None:
+        settings["alibi"] = True
+    return settings
 
 
 def check_no_modifiers(module: nn.Module, method: str) -> None:

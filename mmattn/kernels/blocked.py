@@ -211,8 +211,13 @@ def local_attend(
         _kernel.report("local", reasons, q=qb, k=kb, v=vb,
                        mask=with_bias(mask, bias) if alibi else mask, **facts)
     shared = None
-    if alibi and not glob and key_mask is None and isinstance(length, int) and not exporting():
-        dirty = _dirty_blocks(batch, blocks, block, left, right, length, q.device)
+    if alibi and not glob and isinstance(length, int) and not exporting():
+        dirty = None
+        if key_mask is None:  # the ends only: known from the sizes
+            dirty = _dirty_blocks(batch, blocks, block, left, right, length, q.device)
+        elif key_mask.dtype == torch.bool and not torch.compiler.is_compiling():
+            dirty = (~band_keys).flatten(1).any(1).nonzero().flatten()  # reads the mask
+            dirty = dirty if 2 * dirty.numel() < batch * blocks else None
         shared = None if dirty is None else (band, dirty)
     out, wb = _attend_blocks(
         qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights, groups,
@@ -267,12 +272,14 @@ def _attend_blocks(
 
     With ALiBi the fused call needs one float mask: band AND key validity is per block, the
     ALiBi term per head, and their combination a (b·n, h, s, t) tensor as large as the
-    scores. ``shared`` = (band (s, t), dirty block indices), without a key mask: every
-    block first runs under the one (1, h, s, t) band + ALiBi mask, exact for the blocks whose
-    slab lies inside the sequence; the few others (the ends) run again under their own masks
-    and take their place.
+    scores. ``shared`` = (band (s, t), dirty block indices): every block first runs under
+    the one (1, h, s, t) band + ALiBi mask, exact for the blocks whose slab lies inside the
+    sequence and holds no padded key; the others (the ends, the padding) run again under
+    their own masks and take their place.
     """
-    if dead_rows or need_weights or not _kernel.use_fused_attn() or (mods and mods.explicit):
+    if need_weights or not _kernel.use_fused_attn() or (mods and mods.explicit) or (
+        dead_rows and shared is None
+    ):
         return attend(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale,
                       need_weights=need_weights, report_path=False, groups=groups,
                       modifiers=mods)
@@ -284,15 +291,24 @@ def _attend_blocks(
             dead_rows=False, sinks=sinks,
         ), None
     band, dirty = shared
+    if dead_rows:  # padded keys may hold anything (NaN): the shared pass reads them too
+        kb, vb = _kernel.clear_dead_keys(mask, kb, vb)
     out = _kernel.sdpa(qb, kb, vb, with_bias(band, bias), dropout_p=dropout_p, scale=scale,
                        groups=groups, dead_rows=False, sinks=sinks)
-    if dirty.numel():
-        redo = _kernel.sdpa(
+    if dirty.numel():  # their own masks, dead rows guarded
+        redo, _ = attend(
             qb.index_select(0, dirty), kb.index_select(0, dirty), vb.index_select(0, dirty),
-            with_bias(mask.index_select(0, dirty), bias), dropout_p=dropout_p, scale=scale,
-            groups=groups, dead_rows=False, sinks=sinks,
+            mask.index_select(0, dirty), dropout_p=dropout_p, scale=scale, report_path=False,
+            groups=groups, modifiers=mods,
         )
-        out = out.index_copy(0, dirty, redo)
+        # along the layout SDPA writes ((b n), s, h, e), so the later reshapes stay views;
+        # in place where nothing saved ``out`` for a backward pass
+        rows, redo = out.transpose(1, 2), redo.transpose(1, 2)
+        if out.requires_grad:
+            rows = rows.index_copy(0, dirty, redo)
+        else:
+            rows = rows.index_copy_(0, dirty, redo)
+        out = rows.transpose(1, 2)
     return out, None
 
 
