@@ -326,3 +326,26 @@ def test_compiled_equals_eager(name, dynamic):
             results.append((out, *_grads(out, [x, module.sinks])))
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_from_torch_keeps_an_mmattn_sources_modifiers_and_sinks():
+    source = _build("mha_gqa", MODS["all"])
+    local = LocalAttention.from_torch(MultiHeadAttention(D, H, **MODS["all"]), window_size=3)
+    assert local.softcap == 1.5 and local.alibi_slopes is not None and local.sinks is not None
+    copy_ = MultiHeadAttention.from_torch(source)
+    assert torch.equal(copy_.sinks, source.sinks)
+    x = torch.randn(B, L, D)
+    torch.testing.assert_close(copy_(x)[0], source(x)[0], atol=0, rtol=0)
+
+
+def test_a_variant_whose_hook_takes_no_modifiers_refuses_them():
+    class Old(MultiHeadAttention):  # a hook written before modifiers existed
+        def _attention(self, q, k, v, mask, *, is_causal, dropout_p, need_weights):
+            return super()._attention(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p,
+                                      need_weights=need_weights)
+
+    with pytest.raises(ValueError, match="Old does not apply score modifiers"):
+        Old(D, H, sinks=True)
+    old = Old(D, H)  # still decodes: the cache passes no modifiers= to it
+    cache = old.make_cache(1, 4)
+    assert old(torch.randn(1, 2, D), is_causal=True, cache=cache)[0].shape == (1, 2, D)
