@@ -271,3 +271,25 @@ def run_packed(
     outs.append(q.new_zeros(1, heads, v.shape[-1]))  # the row of sequences left out (none)
     out = torch.cat(outs).index_select(0, plan.rows)
     return rearrange(out, "(b t) h e -> b h t e", b=batch)
+
+
+# ---------------------------------------------------------------------- score modifiers
+
+
+def score_modifiers(
+    who: str, heads: int, s_aux: Tensor | None, softcap: float | None
+) -> Modifiers | None:
+    """gpt-oss's sinks (``s_aux``) and Gemma 2's cap as the kernels' score modifiers (None:
+    neither); ``softcap`` was checked with the other inputs (a number > 0).
+
+    Raises:
+        ValueError: ``s_aux`` is not one logit per query head, shape (h,).
+    """
+    if s_aux is not None and (not isinstance(s_aux, Tensor) or s_aux.shape != (heads,)):
+        got = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
+        raise ValueError(
+            f"{who}: s_aux (attention sinks) must be one logit per query head, shape "
+            f"({heads},), got {got}"
+        )
+    mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
+    return mods if mods else None

@@ -41,7 +41,6 @@ from torch import Tensor, nn
 
 from mmattn.integrations import _hf_patterns as _patterns
 from mmattn.kernels import dense as _kernel
-from mmattn.kernels.modifiers import Modifiers
 
 #: The name :func:`register` uses by default.
 DEFAULT_NAME = "mmattn"
@@ -224,7 +223,7 @@ def attention_forward(
     if position_bias is not None:
         mask = _with_bias(position_bias, mask, causal, q_len, key.shape[-2])
         causal = False
-    mods = _modifiers(module, query, s_aux, softcap)
+    mods = _patterns.score_modifiers(_who(module), query.shape[1], s_aux, softcap)
     if not need_weights and mask is not None and mask.dtype == torch.bool and q_len == k_len:
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, Tensor) and sliding_window is None:
@@ -250,23 +249,6 @@ def attention_forward(
         need_weights=need_weights, groups=groups, modifiers=mods,
     )
     return _heads_last(out), weights
-
-
-def _modifiers(
-    module: nn.Module, query: Tensor, s_aux: Tensor | None, softcap: float | None
-) -> Modifiers | None:
-    """gpt-oss's sinks and Gemma 2's cap as the kernels' score modifiers (None: neither)."""
-    if s_aux is not None:
-        heads = query.shape[1]
-        if not isinstance(s_aux, Tensor) or s_aux.shape != (heads,):
-            got = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
-            raise ValueError(
-                f"{_who(module)}: s_aux (attention sinks) must be one logit per query head, "
-                f"shape ({heads},), got {got}"
-            )
-    # softcap was checked with the other inputs (a number > 0)
-    mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
-    return mods if mods else None
 
 
 def _heads_last(out: Tensor) -> Tensor:
