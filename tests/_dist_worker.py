@@ -106,6 +106,13 @@ SP_CASES = {
     "full": ({"full": True}, True),
     "full_causal": ({"full": True}, False),
     "full_rotary": ({"full": True, "position": "rotary"}, True),
+    # score modifiers: the rank's heads' sinks and slopes, ALiBi at absolute positions, the
+    # sink in the global rows' log-sum-exp merge; softcap on the explicit blocks
+    "modifiers_global": (
+        {"window_size": 3, "num_global_tokens": 2, "sinks": True, "alibi": True}, True
+    ),
+    "modifiers_softcap": ({"window_size": 4, "causal": True, "sinks": True, "softcap": 1.5}, False),
+    "full_modifiers": ({"full": True, "sinks": True, "alibi": True}, True),
 }
 SP_LENGTH = 24  # 12 per rank on 2 ranks, 6 on 4
 
@@ -115,9 +122,13 @@ def build_sp(name: str) -> tuple[LocalAttention, torch.Tensor, torch.Tensor | No
     kwargs, padded = SP_CASES[name]
     torch.manual_seed(2)
     if kwargs.get("full"):
-        attn = MultiHeadAttention(D, 4, position=kwargs.get("position")).to(DTYPE).eval()
+        kwargs = {k: v for k, v in kwargs.items() if k != "full"}
+        attn = MultiHeadAttention(D, 4, **kwargs).to(DTYPE).eval()
     else:
         attn = LocalAttention(D, H, **kwargs).to(DTYPE).eval()
+    if attn.sinks is not None:  # zeros at construction: make them matter
+        with torch.no_grad():
+            attn.sinks.normal_()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, SP_LENGTH, D, generator=gen, dtype=DTYPE)
     grad = torch.randn(2, SP_LENGTH, D, generator=gen, dtype=DTYPE)

@@ -32,6 +32,7 @@ PAGES = [
     "adapters/graph.md",
     "adapters/index.md",
     "variants.md#writing-your-own-attention-variant",
+    "variants.md#score-modifiers",
     "decoding.md",
     "streaming.md",
     "packed.md",

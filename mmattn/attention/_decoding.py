@@ -12,7 +12,9 @@ from torch import Tensor, nn
 
 from mmattn._chunk_cache import check_no_look_ahead
 from mmattn._helpers import default
+from mmattn.attention._modifiers import ring_positions, step_modifiers
 from mmattn.cache import ChunkCache, ContextCache, KVCache, LocalKVCache, check_cache_call
+from mmattn.kernels.modifiers import Modifiers
 from mmattn.masks import merge_masks
 
 
@@ -63,14 +65,19 @@ def cached_step(
                 dtype=q.dtype,
             )
         k, v, mask = cache.update(k, v, mask)
+        ring = None
     else:
         k, v = module._project_kv(key, value)
         if module.position is not None:
             offset = cache.offset
             q, k = module.position(q, offset), module.position(k, offset)
+        ring = ring_positions(cache)
         padding = (key_padding_mask,) if isinstance(cache, ChunkCache) else ()
         k, v, mask = cache.update(k, v, *padding)
-    return module._attend_cached(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+    modifiers = step_modifiers(module, cache, q.shape[2], k.shape[2], ring)
+    return module._attend_cached(
+        q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights, modifiers=modifiers
+    )
 
 
 def refuse_chunk_cache(module: nn.Module, kwargs: dict) -> None:
@@ -177,9 +184,13 @@ class Decoding:
 
     def _attend_cached(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
-        need_weights: bool,
+        need_weights: bool, modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attention over what a cache returned; its mask already holds the causal rule."""
+        """Attention over what a cache returned; its mask already holds the causal rule, and
+        ``modifiers`` the positions of the step (:func:`~._modifiers.step_modifiers`; passed
+        only when there are any, so a variant's ``_attention`` without the keyword works)."""
+        extra = {} if modifiers is None else {"modifiers": modifiers}
         return self._attention(
-            q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights
+            q, k, v, mask, is_causal=False, dropout_p=dropout_p, need_weights=need_weights,
+            **extra,
         )

@@ -65,3 +65,5 @@ def draw_like_torch(module: nn.Module, out_proj: bool = True) -> None:
     if module.bias_k is not None:
         nn.init.xavier_normal_(module.bias_k)
         nn.init.xavier_normal_(module.bias_v)
+    if getattr(module, "sinks", None) is not None:  # no draw: torch's generator state stays
+        nn.init.zeros_(module.sinks)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from mmattn.attention import _in_proj
 from mmattn.attention._init import draw_like_torch
+from mmattn.attention._modifiers import check_no_modifiers, modifier_settings
 
 __all__: list[str] = []
 
@@ -62,6 +63,7 @@ def constructor_kwargs(cls: type, module: nn.MultiheadAttention, extra: dict[str
     }
     if getattr(module, "position", None) is not None:  # an mmattn source's positions
         settings["position"] = module.position
+    settings.update(modifier_settings(module))  # and its sinks, softcap, ALiBi
     taken = sorted(set(extra) & set(settings))
     if taken:
         shown = ", ".join(f"{name}={settings[name]!r}" for name in taken)
@@ -124,6 +126,8 @@ def copy_weights(source: nn.MultiheadAttention, target: nn.Module) -> None:
         pairs.append((target.out_proj.bias, source.out_proj.bias))
     if source.bias_k is not None:
         pairs += [(target.bias_k, source.bias_k), (target.bias_v, source.bias_v)]
+    if getattr(source, "sinks", None) is not None:
+        pairs.append((target.sinks, source.sinks))
     with torch.no_grad():
         for param, value in pairs:
             param.copy_(value)
@@ -408,6 +412,7 @@ class TorchInterop:
                 or grouped-query attention / a ``position`` module (torch has neither).
         """
         _check_torch_twin(type(self), "to_torch")
+        check_no_modifiers(self, "to_torch")
         if self.num_kv_heads != self.num_heads or self.position is not None:
             raise NotImplementedError(
                 f"to_torch is not available with num_kv_heads={self.num_kv_heads} (of "

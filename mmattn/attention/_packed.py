@@ -17,6 +17,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn.attention._appended import extra_keys, num_extra_keys
+from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._packed_checks import check_attn_mask, check_packed, check_values
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.packed import (
@@ -105,7 +106,8 @@ def attend_values(
     # l, e)): per bucket each item starts at position 0.
     position = module.position
     direct = module._plain_attention() and _kernel.use_fused_attn()
-    direct = direct and not need_weights and extra == 0
+    # score modifiers run in the module's own hook (each item's positions start at 0)
+    direct = direct and not need_weights and extra == 0 and score_modifiers(module) is None
     facts = {"q_lengths": q_lens, "k_lengths": k_lens}
 
     jagged_ok = direct and attn_mask is None and position is None and qv.is_cuda

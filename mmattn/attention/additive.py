@@ -21,8 +21,11 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from mmattn._helpers import default
+from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels.modifiers import Modifiers, with_bias
 
 __all__ = ["AdditiveAttention", "additive_scores"]
 
@@ -97,6 +100,8 @@ class AdditiveAttention(MultiHeadAttention):
         num_kv_heads, position: as in :class:`MultiHeadAttention` (a key head's tanh
             network is shared by its group of query heads; a rotary ``position`` rotates q
             and k before the tanh, which gives absolute, not relative, positions here).
+        sinks, softcap, alibi: score modifiers on the additive scores, as in
+            :class:`MultiHeadAttention` (always on the explicit softmax: no fused kernel).
 
     Shape:
         - query: (B, L, D); key: (B, S, kdim); value: (B, S, vdim) (or unbatched / seq-first)
@@ -130,10 +135,14 @@ class AdditiveAttention(MultiHeadAttention):
         *,
         num_kv_heads: int | None = None,
         position: nn.Module | Callable[..., Tensor] | str | None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
     ) -> None:
         super().__init__(
             embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
             batch_first, device, dtype, num_kv_heads=num_kv_heads, position=position,
+            sinks=sinks, softcap=softcap, alibi=alibi,
         )
         self.score_weight = nn.Parameter(
             torch.empty(num_heads, self.head_dim, device=device, dtype=dtype)
@@ -162,7 +171,9 @@ class AdditiveAttention(MultiHeadAttention):
         is_causal: bool,
         dropout_p: float,
         need_weights: bool,
+        modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        modifiers = default(modifiers, score_modifiers(self))
         if is_causal:
             mask = _kernel.with_causal(mask, q.shape[2], k.shape[2], q.device)
         explicit = need_weights or not _kernel.use_fused_attn()
@@ -170,13 +181,17 @@ class AdditiveAttention(MultiHeadAttention):
             reasons = [
                 "additive scores have no fused kernel", *_kernel.explicit_reasons(need_weights)
             ]
+            bias = None if modifiers is None else modifiers.terms(
+                q.shape[2], k.shape[2], q.device, q.dtype
+            )
             _kernel.report(
-                "explicit" if explicit else "chunked", reasons, q=q, k=k, v=v, mask=mask,
-                dropout_p=dropout_p, is_causal=is_causal, scale=None,
+                "explicit" if explicit else "chunked", reasons, q=q, k=k, v=v,
+                mask=with_bias(mask, bias), dropout_p=dropout_p, is_causal=is_causal, scale=None,
+                modifiers=modifiers,
             )
         if mask is not None:
             k, v = _kernel.clear_dead_keys(mask, k, v)
         weight = self.score_weight.to(q.dtype)
         scores = additive_scores(q, k, weight) if explicit else _chunked_scores(q, k, weight)
-        out, weights = _kernel.grouped_softmax_attend(scores, v, mask, dropout_p)
+        out, weights = _kernel.grouped_softmax_attend(scores, v, mask, dropout_p, modifiers)
         return out, (weights if need_weights else None)

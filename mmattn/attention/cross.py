@@ -26,8 +26,9 @@ class CrossAttention(MultiHeadAttention):
     ``key`` (the context) must be given, and ``vdim`` defaults to ``kdim`` so that a context
     of width ``kdim`` serves as both key and value.
 
-    ``num_kv_heads`` works as in :class:`MultiHeadAttention`; ``position=`` raises
-    ValueError (two sequences have no relative position). For decoding, :meth:`make_cache`
+    ``num_kv_heads`` works as in :class:`MultiHeadAttention`; ``position=`` and
+    ``alibi=True`` raise ValueError (two sequences have no relative position); ``sinks`` and
+    ``softcap`` work as there. For decoding, :meth:`make_cache`
     returns a :class:`~mmattn.cache.ContextCache` that projects the context once.
 
     Shape:
@@ -43,6 +44,8 @@ class CrossAttention(MultiHeadAttention):
 
     #: Only the projected context: a self-attention cache would take context keys as steps.
     cache_kinds = (ContextCache,)
+    #: Why ``alibi=True`` is refused (see :mod:`mmattn.attention._modifiers`).
+    alibi_refusal = "query and context are two sequences, so no query is at a distance from a key"
 
     def __init__(
         self,
@@ -60,6 +63,9 @@ class CrossAttention(MultiHeadAttention):
         *,
         num_kv_heads: int | None = None,
         position: None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
     ) -> None:
         super().__init__(
             embed_dim,
@@ -75,6 +81,9 @@ class CrossAttention(MultiHeadAttention):
             dtype=dtype,
             num_kv_heads=num_kv_heads,
             position=position,
+            sinks=sinks,
+            softcap=softcap,
+            alibi=alibi,
         )
 
     def _check_position_supported(self) -> None:

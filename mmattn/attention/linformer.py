@@ -19,8 +19,11 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn._helpers import default
+from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels.dense import allowed, attend
+from mmattn.kernels.modifiers import Modifiers
 
 __all__ = ["LinformerAttention"]
 
@@ -41,7 +44,7 @@ class LinformerAttention(MultiHeadAttention):
 
     Not supported, each raising ValueError: ``attn_mask`` (it addresses keys, which no longer
     exist after the projection), ``is_causal`` and :meth:`make_cache` (the projection mixes
-    future keys), ``position=`` (no projected slot keeps a position), and float
+    future keys), ``position=`` and ``alibi=True`` (no projected slot keeps a position), and float
     ``key_padding_mask`` values other than 0 / -inf. ``need_weights`` returns weights over the
     ``proj_len`` slots: (B, L, proj_len).
 
@@ -59,6 +62,8 @@ class LinformerAttention(MultiHeadAttention):
         num_kv_heads: key/value heads (grouped-query attention), as
             :class:`MultiHeadAttention`.
         position: must be None (see above).
+        sinks, softcap: score modifiers on the scores over the slots, as
+            :class:`MultiHeadAttention`.
 
     Shape:
         - query: (B, L, D); key: (B, S, kdim) and value: (B, S, vdim) with S <= seq_len
@@ -78,6 +83,7 @@ class LinformerAttention(MultiHeadAttention):
     """
 
     no_torch_twin = "nn.MultiheadAttention has no sequence projection"
+    alibi_refusal = "the sequence projection mixes keys of every position into each slot"
 
     def __init__(
         self,
@@ -96,6 +102,9 @@ class LinformerAttention(MultiHeadAttention):
         dtype: torch.dtype | None = None,
         num_kv_heads: int | None = None,
         position: None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
     ) -> None:
         self.seq_len = checks.check_positive_int("seq_len", seq_len)
         self.proj_len = checks.check_positive_int("proj_len", proj_len)
@@ -103,7 +112,7 @@ class LinformerAttention(MultiHeadAttention):
         super().__init__(
             embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,
-            position=position,
+            position=position, sinks=sinks, softcap=softcap, alibi=alibi,
         )
         factory = {"device": device, "dtype": dtype}
         self.key_seq_proj = nn.Parameter(torch.empty(proj_len, seq_len, **factory))
@@ -162,6 +171,7 @@ class LinformerAttention(MultiHeadAttention):
         is_causal: bool,
         dropout_p: float,
         need_weights: bool,
+        modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         length = k.shape[2]
         e_proj = self.key_seq_proj[:, :length].to(q.dtype)  # (p, j)
@@ -178,7 +188,8 @@ class LinformerAttention(MultiHeadAttention):
             slot_live = rearrange(slot_live, "b p -> b 1 1 p")
         k = torch.einsum("pj,bhje->bhpe", e_proj, k)
         v = torch.einsum("pj,bhje->bhpe", f_proj, v)
-        return attend(q, k, v, slot_live, dropout_p=dropout_p, need_weights=need_weights)
+        return attend(q, k, v, slot_live, dropout_p=dropout_p, need_weights=need_weights,
+                      modifiers=default(modifiers, score_modifiers(self)))
 
     def _check_lengths(
         self,

@@ -17,11 +17,14 @@ import torch
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
+from mmattn._helpers import default
 from mmattn.attention._decoding import refuse_chunk_cache
+from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.cache import LocalKVCache
 from mmattn.kernels.blocked import default_block_size, local_attend
 from mmattn.kernels.dense import attend
+from mmattn.kernels.modifiers import Modifiers
 from mmattn.masks import local_allowed
 
 __all__ = ["LocalAttention"]
@@ -63,6 +66,8 @@ class LocalAttention(MultiHeadAttention):
             :class:`MultiHeadAttention`; the blocked kernel never repeats K/V per query head.
         position: applied to q and k after the head split (e.g. ``"rotary"``), as
             :class:`MultiHeadAttention`.
+        sinks, softcap, alibi: score modifiers, as :class:`MultiHeadAttention`; ALiBi's
+            distance is ``|i - j|`` (global tokens included), sinks join every band's softmax.
 
     Decoding: :meth:`make_cache` returns a ring cache of the last ``window_size`` keys, so
     memory stays O(w) however many tokens are decoded.
@@ -113,6 +118,9 @@ class LocalAttention(MultiHeadAttention):
         dtype: torch.dtype | None = None,
         num_kv_heads: int | None = None,
         position: nn.Module | Callable[..., Tensor] | str | None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
     ) -> None:
         self.window_size = checks.check_positive_int("window_size", window_size, minimum=0)
         self.num_global_tokens = checks.check_positive_int(
@@ -134,6 +142,9 @@ class LocalAttention(MultiHeadAttention):
             dtype=dtype,
             num_kv_heads=num_kv_heads,
             position=position,
+            sinks=sinks,
+            softcap=softcap,
+            alibi=alibi,
         )
 
     def extra_repr(self) -> str:
@@ -156,12 +167,16 @@ class LocalAttention(MultiHeadAttention):
         is_causal: bool,
         dropout_p: float,
         need_weights: bool,
+        modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         causal = self.causal or is_causal
+        modifiers = default(modifiers, score_modifiers(self))
         key_mask = None
         if mask is not None:
             if mask.shape[-2] != 1 or mask.shape[-3] != 1:
-                return self._attend_dense(q, k, v, mask, causal, need_weights, dropout_p)
+                return self._attend_dense(
+                    q, k, v, mask, causal, need_weights, dropout_p, modifiers
+                )
             key_mask = mask[:, 0, 0]  # only key padding: (b, j), True = real key
         return local_attend(
             q,
@@ -175,6 +190,7 @@ class LocalAttention(MultiHeadAttention):
             dropout_p=dropout_p,
             need_weights=need_weights,
             groups=self.num_heads // self.num_kv_heads,
+            modifiers=modifiers,
         )
 
     def make_cache(
@@ -208,12 +224,14 @@ class LocalAttention(MultiHeadAttention):
 
     def _attend_cached(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float,
-        need_weights: bool,
+        need_weights: bool, modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        # The ring cache's mask already is the causal band over at most w + i keys.
+        # The ring cache's mask already is the causal band over at most w + i keys; the
+        # sinks are parameters, so the ring drops no part of them.
         return attend(
             q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights,
             groups=self.num_heads // self.num_kv_heads,
+            modifiers=default(modifiers, score_modifiers(self)),
         )
 
     def _attend_dense(
@@ -225,6 +243,7 @@ class LocalAttention(MultiHeadAttention):
         causal: bool,
         need_weights: bool,
         dropout_p: float,
+        modifiers: Modifiers | None,
     ) -> tuple[Tensor, Tensor | None]:
         """O(L²) fallback when the caller adds an (L, L) ``attn_mask``: band AND mask."""
         band = local_allowed(
@@ -237,7 +256,7 @@ class LocalAttention(MultiHeadAttention):
             mask = torch.where(band, mask, float("-inf"))
         return attend(
             q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights,
-            groups=self.num_heads // self.num_kv_heads,
+            groups=self.num_heads // self.num_kv_heads, modifiers=modifiers,
         )
 
     def _check_lengths(

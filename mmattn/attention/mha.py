@@ -27,10 +27,12 @@ from mmattn.attention._fx import FX_ROOT, fx_leaf
 from mmattn.attention._init import draw_like_torch, undrawn_linear
 from mmattn.attention._inputs import check_inputs
 from mmattn.attention._interop import TorchInterop
+from mmattn.attention._modifiers import init_modifiers, modifier_repr, score_modifiers
 from mmattn.attention._nested import nested_forward
 from mmattn.attention._packed import attend_values, packed_forward
 from mmattn.cache import ChunkCache, ContextCache, KVCache, LocalKVCache
 from mmattn.kernels.dense import attend
+from mmattn.kernels.modifiers import Modifiers
 from mmattn.kernels.packed import is_jagged
 from mmattn.masks import merge_masks
 from mmattn.rotary import resolve_position
@@ -75,6 +77,9 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
             (``offset`` = tokens already cached, else 0): a module such as
             :class:`~mmattn.rotary.RotaryEmbedding`, or ``"rotary"`` to build one of the
             head width (which must then be even).
+        sinks, softcap, alibi: score modifiers: a learned sink logit per head (parameter
+            ``sinks``), scores ``softcap·tanh(s/softcap)``, ALiBi's ``-slope_h·|i - j|``
+            (docs/variants.md, "Score modifiers").
 
     Decoding: ``cache = module.make_cache(batch_size, max_len)`` and
     ``forward(x_step, is_causal=True, cache=cache)`` append this call's keys and values and
@@ -132,6 +137,9 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         *,
         num_kv_heads: int | None = None,
         position: nn.Module | Callable[..., Tensor] | str | None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
     ) -> None:
         nn.Module.__init__(self)  # not nn.MultiheadAttention's: it would build packed weights
         checks.check_positive_int("embed_dim", embed_dim)
@@ -172,6 +180,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
             self.bias_k = self.bias_v = None
         self.position = resolve_position(position, self.head_dim)
         self._check_position_supported()
+        init_modifiers(self, sinks=sinks, softcap=softcap, alibi=alibi, **factory)
         # The base initialiser on purpose: a subclass's reset_parameters may touch
         # parameters that do not exist yet; subclasses initialise their own at the end.
         MultiHeadAttention.reset_parameters(self)
@@ -199,7 +208,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         parts.append(f"batch_first={self.batch_first}")
         if self.num_kv_heads != self.num_heads:
             parts.append(f"num_kv_heads={self.num_kv_heads}")
-        return ", ".join(parts)
+        return ", ".join(parts + modifier_repr(self))
 
     def _check_position_supported(self) -> None:
         """Hook: a variant where ``position=`` makes no sense raises ValueError here."""
@@ -390,6 +399,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         is_causal: bool,
         dropout_p: float,
         need_weights: bool,
+        modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The attention step on head-split tensors: the one hook a variant overrides.
 
@@ -405,6 +415,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
             is_causal: also apply the causal rule (key j <= query i).
             dropout_p: dropout probability on the attention weights.
             need_weights: also return the per-head weights.
+            modifiers: the score modifiers (None: the module's own, ``score_modifiers``).
 
         Shape:
             - q: (b, h, i, e); k, v: (b, h, j, e)
@@ -414,6 +425,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         return attend(
             q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, need_weights=need_weights,
             groups=self.num_heads // self.num_kv_heads,
+            modifiers=default(modifiers, score_modifiers(self)),
         )
 
     def _check_inputs(

@@ -69,6 +69,8 @@ class AttentionCall:
         dtype: the queries' dtype.
         device: the queries' device.
         dropout_p: dropout on the weights in this call (0 in eval mode).
+        modifiers: the score modifiers of the call (``["sinks", "softcap=30", "alibi"]``;
+            :mod:`mmattn.kernels.modifiers`), empty without.
     """
 
     module: str
@@ -83,6 +85,7 @@ class AttentionCall:
     dtype: str = ""
     device: str = ""
     dropout_p: float = 0.0
+    modifiers: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> bool:
@@ -110,6 +113,9 @@ class Explanation(list):
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         for number, call in enumerate(self):
+            if call.modifiers:
+                lines.append(f"  [{number}] {call.module or '(model)'}: score modifiers "
+                             f"{', '.join(call.modifiers)}")
             for reason in call.reasons:
                 lines.append(f"  [{number}] {call.module or '(model)'}: {reason}")
         return "\n".join(lines)
@@ -241,6 +247,7 @@ def _record(report: dict, module: str, cls: str) -> AttentionCall:
         dtype=str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
         device=str(tensor.device) if tensor is not None else "",
         dropout_p=dropout_p,
+        modifiers=report["modifiers"].names() if report.get("modifiers") else [],
     )
 
 

@@ -22,6 +22,10 @@ wrapper goes Ulysses style: one all-to-all turns every rank's (b, h, n, e) shard
 positions of h / p heads, the module's own attention kernel runs, a second all-to-all
 returns (b, h, n, e).
 
+Score modifiers (``sinks``, ``softcap``, ``alibi``) follow: a rank attends with its heads'
+sinks and slopes, ALiBi at the rows' absolute positions, and the global rows' log-sum-exp
+merge takes the sink into its total.
+
 Everything here is a thin wrapper: the wrapped module keeps its parameters and stays the
 single-process reference (tests compare the two).
 """
@@ -36,6 +40,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn._helpers import default
+from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels.blocked import local_attend
@@ -210,9 +215,14 @@ def _attend_heads(dist, group, attn, q, k, v, real, causal, ranks):
         every = [torch.empty_like(mine, dtype=torch.uint8) for _ in range(ranks)]
         dist.all_gather(every, mine.to(torch.uint8).contiguous(), group=group)
         mask = rearrange(torch.cat(every, dim=1).bool(), "b j -> b 1 1 j")
+    mods = score_modifiers(attn)
+    if mods is not None:  # this rank's heads: [r·h/p, (r+1)·h/p)
+        heads = q.shape[1]
+        mods = mods.heads(dist.get_rank(group) * heads, (dist.get_rank(group) + 1) * heads)
     out, _ = attn._attention(
         q, k, v, mask, is_causal=causal,
         dropout_p=attn.dropout if attn.training else 0.0, need_weights=False,
+        modifiers=mods,
     )
     return _halo.sequence_to_heads(out, group=group)
 
@@ -262,6 +272,11 @@ def _attend_shard(dist, group, attn, q, k, v, real, causal, rank, ranks):
     length = seq.shape[2]
     q_seq = F.pad(q, (0, 0, lead, length - lead - n))
     need_mask = any_mask or bool(glob and left and start - left < glob)
+    mods = score_modifiers(attn)
+    if mods is not None:  # ALiBi at the absolute positions of the assembled rows
+        rows = torch.arange(start - left, start - left + length - (lead - left), device=q.device)
+        rows = torch.cat([torch.arange(lead - left, device=q.device), rows])
+        mods = mods.at(rows[:, None], rows[:, None])
     out, _ = local_attend(
         q_seq,
         seq[..., :ek],
@@ -272,10 +287,11 @@ def _attend_shard(dist, group, attn, q, k, v, real, causal, rank, ranks):
         num_global_tokens=glob,
         block_size=attn.block_size,
         dropout_p=dropout_p,
+        modifiers=mods,
     )
     out = out[:, :, lead:lead + n]
     if glob:
-        rows = _global_rows(q, k, v, mine, start, glob, causal, dropout_p, group)
+        rows = _global_rows(q, k, v, mine, start, glob, causal, dropout_p, group, mods)
         if rank == 0:
             out = torch.cat([rows, out[:, :, glob:]], dim=2)
         else:
@@ -298,9 +314,10 @@ class _Tie(torch.autograd.Function):
         return (grad, *zeros)
 
 
-def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group):
+def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group, mods=None):
     """The g global query rows over the WHOLE sequence: each rank attends its own shard,
-    partial results merge by log-sum-exp across ranks. Returns (b, h, g, e) on every rank."""
+    partial results merge by log-sum-exp across ranks (the sink joins the total). Returns
+    (b, h, g, e) on every rank."""
     from mmattn.distributed import _halo
 
     ek, ev = k.shape[-1], v.shape[-1]
@@ -308,9 +325,13 @@ def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group):
     groups = q.shape[1] // k.shape[1]  # grouped-query attention: query head n uses n // groups
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     scores = torch.einsum("bhge,bhje->bhgj", qg, k) / math.sqrt(ek)
+    key_pos = torch.arange(start, start + k.shape[2], device=q.device)
+    if mods is not None:
+        bias = mods.alibi(torch.arange(glob, device=q.device)[:, None], key_pos[:, None],
+                          scores.dtype)
+        scores = mods.hook(scores, bias)
     allowed = real[:, None, None, :]  # (b, 1, 1, n)
     if causal:
-        key_pos = torch.arange(start, start + k.shape[2], device=q.device)
         allowed = allowed & (key_pos[None, :] <= torch.arange(glob, device=q.device)[:, None])
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b, h, g, 1), -inf if no key
@@ -322,6 +343,8 @@ def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group):
     parts = _halo.all_gather_stack(torch.cat([partial, lse], dim=-1), group=group)
     outs, lses = parts[..., :ev], parts[..., ev:]  # (p, b, h, g, e), (p, b, h, g, 1)
     total = torch.logsumexp(lses, dim=0)
+    if mods is not None and mods.sinks is not None:
+        total = torch.logaddexp(total, mods.sinks.to(total.dtype)[:, None, None])
     finite = torch.isfinite(total)
     scale = torch.exp(lses - torch.where(finite, total, torch.zeros_like(total)))
     scale = torch.where(torch.isfinite(lses) & finite, scale, torch.zeros_like(scale))

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.blocked import local_attend
+from mmattn.kernels.modifiers import Modifiers
 from mmattn.kernels.packed import layout
 from mmattn.kernels.packed import report as report_packed
 
@@ -140,13 +141,13 @@ def _band(length: int, size: int, causal: bool, device: torch.device) -> Tensor:
 
 def run_window(
     q: Tensor, k: Tensor, v: Tensor, pattern: tuple[int, bool, Tensor | None], *,
-    dropout_p: float, scale: float, groups: int,
+    dropout_p: float, scale: float, groups: int, modifiers: Modifiers | None = None,
 ) -> Tensor:
-    """The blocked band kernel; (b, h, l, e) in and out."""
+    """The blocked band kernel (with the call's sinks / softcap); (b, h, l, e) in and out."""
     size, causal, key_mask = pattern
     out, _ = local_attend(
         q, k, v, size, causal=causal, key_mask=key_mask, dropout_p=dropout_p, scale=scale,
-        groups=groups,
+        groups=groups, modifiers=modifiers,
     )
     return out
 
@@ -234,7 +235,7 @@ def _find_packed(mask: Tensor, position_ids: Tensor) -> list[int] | None:
 
 def run_packed(
     q: Tensor, k: Tensor, v: Tensor, lengths: list[int], *, dropout_p: float, scale: float,
-    groups: int,
+    groups: int, modifiers: Modifiers | None = None,
 ) -> Tensor:
     """Causal attention of each packed sequence alone, bucket by bucket (no (t, t) scores).
 
@@ -264,7 +265,7 @@ def run_packed(
         )
         out, _ = _kernel.attend(
             qb, kb, vb, plan.key_masks[index], dropout_p=dropout_p, is_causal=True,
-            scale=scale, report_path=False, groups=groups,
+            scale=scale, report_path=False, groups=groups, modifiers=modifiers,
         )
         outs.append(rearrange(out, "n h i e -> (n i) h e"))
     outs.append(q.new_zeros(1, heads, v.shape[-1]))  # the row of sequences left out (none)
@@ -272,39 +273,23 @@ def run_packed(
     return rearrange(out, "(b t) h e -> b h t e", b=batch)
 
 
-# ---------------------------------------------------------------------- soft-capped scores
+# ---------------------------------------------------------------------- score modifiers
 
 
-def softcap_attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, softcap: float, scale: float,
-    dropout_p: float,
-) -> tuple[Tensor, Tensor]:
-    """Gemma 2's capped scores: softmax(softcap · tanh(q kᵀ · scale / softcap) + mask) v.
+def score_modifiers(
+    who: str, heads: int, s_aux: Tensor | None, softcap: float | None
+) -> Modifiers | None:
+    """gpt-oss's sinks (``s_aux``) and Gemma 2's cap as the kernels' score modifiers (None:
+    neither); ``softcap`` was checked with the other inputs (a number > 0).
 
-    The explicit path (no fused kernel caps scores); grouped query heads share their key
-    head's K and V without a copy. Rows with no allowed key give zeros.
-
-    Shape:
-        - q: (b, h, i, e); k, v: (b, k, j, e); mask: bool or float, broadcastable to
-          (b, h, i, j), or None
-        - returns: (b, h, i, e) and the weights (b, h, i, j)
+    Raises:
+        ValueError: ``s_aux`` is not one logit per query head, shape (h,).
     """
-    if _kernel.reporting():
-        _kernel.report(
-            "explicit", ["softcap caps the scores before the softmax (no fused kernel does)"],
-            q=q, k=k, v=v, mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale,
+    if s_aux is not None and (not isinstance(s_aux, Tensor) or s_aux.shape != (heads,)):
+        got = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
+        raise ValueError(
+            f"{who}: s_aux (attention sinks) must be one logit per query head, shape "
+            f"({heads},), got {got}"
         )
-    if mask is not None:
-        k, v = _kernel.clear_dead_keys(mask, k, v)
-    groups = q.shape[1] // k.shape[1]
-    rows = q.shape[-2]
-    if groups > 1:
-        q = rearrange(q, "b (k g) i e -> b k (g i) e", g=groups)
-        mask = None if mask is None else _kernel.group_mask(mask, groups, rows)
-    scores = _kernel.dot_scores(q, k, scale)
-    scores = torch.tanh(scores / softcap) * softcap
-    out, weights = _kernel.softmax_attend(scores, v, mask, dropout_p)
-    if groups > 1:
-        out = rearrange(out, "b k (g i) e -> b (k g) i e", g=groups, i=rows)
-        weights = rearrange(weights, "b k (g i) j -> b (k g) i j", g=groups, i=rows)
-    return out, weights
+    mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
+    return mods if mods else None

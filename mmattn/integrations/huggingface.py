@@ -18,10 +18,12 @@ padding and windows are silently dropped), and only the class-wide ``register`` 
 writing ``ALL_MASK_ATTENTION_FUNCTIONS[name] = fn`` puts it where transformers never looks.
 
 ``attention_forward`` runs mmattn's kernels: the dense one (fused SDPA or its explicit twin,
-``MMATTN_FUSED_ATTN``), the O(L·w) blocked band for sliding windows, the bucketed packed
-kernel for ``DataCollatorWithFlattening`` batches, and an explicit path for Gemma 2's soft
-cap; see :mod:`mmattn.integrations._hf_patterns` for when each runs. An argument it cannot
-honour raises, naming the model and the argument; nothing is silently ignored.
+``MMATTN_FUSED_ATTN``), the O(L·w) blocked band for sliding windows and the bucketed packed
+kernel for ``DataCollatorWithFlattening`` batches; see :mod:`mmattn.integrations._hf_patterns`
+for when each runs. gpt-oss's attention sinks (``s_aux``) and Gemma 2's soft cap
+(``softcap``) are score modifiers of every one of them (:mod:`mmattn.kernels.modifiers`),
+together with ``sliding_window``. An argument it cannot honour raises, naming the model and
+the argument; nothing is silently ignored.
 
 ``import mmattn`` never imports transformers; :func:`register` does, and raises ImportError
 naming the ``mmattn[hf]`` extra when it is missing.
@@ -60,8 +62,7 @@ IGNORED_KWARGS = frozenset({
 
 #: Arguments that change the numbers in ways mmattn does not implement, and what they are.
 UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks (a learned logit per head added to every softmax)",
-    "sinks": "attention sinks (a learned logit per head added to every softmax)",
+    "sinks": "attention sinks in another layout than s_aux's one logit per head (h,)",
     "cache": "a paged KV cache (continuous batching)",
     "head_mask": "a per-head multiplier on the attention weights",
 }
@@ -153,6 +154,7 @@ def attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     position_bias: Tensor | None = None,
+    s_aux: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """The function transformers calls for every attention of a model set to mmattn.
@@ -170,6 +172,8 @@ def attention_forward(
             ``i - w < j <= i``); runs on the blocked band kernel.
         softcap: Gemma 2's cap: scores become ``softcap · tanh(scores / softcap)``.
         position_bias: T5's additive (1 | b, h, i, j) bias.
+        s_aux: gpt-oss's attention sinks, one logit per query head (h,): each softmax gets
+            a key of value zero with that score.
         **kwargs: ``output_attentions`` (return the weights), ``position_ids`` (packed
             batches) and bookkeeping that does not change numbers; anything else raises.
 
@@ -182,7 +186,8 @@ def attention_forward(
             of one dtype; a mask (or ``position_bias``) that is not a tensor, or neither bool
             nor float in query's dtype or float32 (an integer 0/1 mask is refused, not added);
             ``dropout``, ``scaling`` or ``softcap`` not a number.
-        ValueError: an argument mmattn cannot honour (attention sinks, a paged cache, ...);
+        ValueError: an argument mmattn cannot honour (a paged cache, ...), an ``s_aux`` that
+            is not one logit per query head;
             tensors not (b, h, l, e), on different devices, of different batch sizes, head
             widths or key/value lengths; head counts that do not divide; a mask that does not
             broadcast to (b, h, i, j); ``dropout`` outside [0, 1); a NaN or infinite
@@ -218,35 +223,30 @@ def attention_forward(
     if position_bias is not None:
         mask = _with_bias(position_bias, mask, causal, q_len, key.shape[-2])
         causal = False
-
-    if softcap is not None:
-        if causal:
-            mask = _kernel.with_causal(mask, q_len, key.shape[-2], query.device)
-        out, weights = _patterns.softcap_attend(
-            query, key, value, mask, softcap=float(softcap), scale=scaling, dropout_p=dropout
-        )
-        return _heads_last(out), (weights if need_weights else None)
+    mods = _patterns.score_modifiers(_who(module), query.shape[1], s_aux, softcap)
     if not need_weights and mask is not None and mask.dtype == torch.bool and q_len == k_len:
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, Tensor) and sliding_window is None:
             lengths = _patterns.packed_lengths(mask, position_ids)
             if lengths is not None:
                 out = _patterns.run_packed(
-                    query, key, value, lengths, dropout_p=dropout, scale=scaling, groups=groups
+                    query, key, value, lengths, dropout_p=dropout, scale=scaling, groups=groups,
+                    modifiers=mods,
                 )
                 return _heads_last(out), None
         if sliding_window is not None:
             pattern = _patterns.window_pattern(mask, int(sliding_window))
             if pattern is not None:
                 out = _patterns.run_window(
-                    query, key, value, pattern, dropout_p=dropout, scale=scaling, groups=groups
+                    query, key, value, pattern, dropout_p=dropout, scale=scaling, groups=groups,
+                    modifiers=mods,
                 )
                 return _heads_last(out), None
     if mask is not None and mask.dtype == torch.bool:
         mask = _patterns.key_rows(mask)
     out, weights = _kernel.attend(
         query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-        need_weights=need_weights, groups=groups,
+        need_weights=need_weights, groups=groups, modifiers=mods,
     )
     return _heads_last(out), weights
 

@@ -33,9 +33,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from mmattn._helpers import surely
+from mmattn._helpers import exporting, surely
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.dense import attend
+from mmattn.kernels.modifiers import Modifiers, with_bias
 
 #: Smallest query block; below this the per-block matmuls are too small to be efficient.
 MIN_BLOCK = 32
@@ -88,6 +89,7 @@ def local_attend(
     scale: float | None = None,
     need_weights: bool = False,
     groups: int | None = None,
+    modifiers: Modifiers | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Unchecked blocked band attention on head-split tensors.
 
@@ -102,6 +104,10 @@ def local_attend(
         scale: score scale; default ``1 / sqrt(e)``.
         need_weights: also return the dense (b, h, l, l) weights (O(l²) memory).
         groups: query heads per key head (modules pass it from their configuration).
+        modifiers: sinks, softcap and ALiBi (:mod:`mmattn.kernels.modifiers`). ALiBi's
+            distance inside the band is the rows' offset ``|i - j|`` (the same (h, s, t)
+            term for every block); ``modifiers.q_pos`` (l, 1), when set, gives the rows'
+            positions for the global tokens' distances (sequence parallelism).
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e) with ``k`` dividing ``h`` (grouped-query
@@ -112,15 +118,17 @@ def local_attend(
     batch, heads, length, _ = q.shape
     groups = _kernel.num_groups(q, k, groups)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mods = modifiers if modifiers else None
     facts = {"dropout_p": dropout_p, "scale": scale, "groups": groups, "causal": causal,
-             "window_size": window_size, "num_global_tokens": num_global_tokens}
+             "window_size": window_size, "num_global_tokens": num_global_tokens,
+             "modifiers": mods}
+    reasons = _kernel.explicit_reasons(need_weights, mods)
     if length == 0 or batch == 0:
         if _kernel.reporting():
-            _kernel.report("local", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v,
-                           mask=key_mask, **facts)
+            _kernel.report("local", reasons, q=q, k=k, v=v, mask=key_mask, **facts)
         return _kernel.attend(
             q, k, v, None, scale=scale, need_weights=need_weights, report_path=False,
-            groups=groups,
+            groups=groups, modifiers=mods,
         )
     # Blocks of ceil(l / s); no negative floor division (ONNX's integer Div truncates).
     if isinstance(length, int):  # clamped to the sequence: a wider band sees the same keys
@@ -160,6 +168,11 @@ def local_attend(
     if causal:
         band &= offset >= 0
     mask = _combine(band, band_keys)  # ((b n), 1, s, t)
+    alibi = mods is not None and mods.slopes is not None
+    rows = None
+    if alibi:  # the band's term is one (1, h, s, t) tensor: the offsets of every block
+        bias = mods.from_distance(offset.abs(), q.dtype)[None]
+        rows = mods.q_pos[:, 0] if mods.q_pos is not None else position
 
     if glob:
         kg, vg = (
@@ -177,6 +190,12 @@ def local_attend(
         glob_mask = _combine(seen, glob_keys)  # (b, n, s, g)
         glob_mask = rearrange(glob_mask.expand(-1, blocks, block, -1), "b n s g -> (b n) 1 s g")
         mask = torch.cat([mask.expand(-1, -1, block, -1), glob_mask], dim=-1)
+        if alibi:  # global keys: each block's own distances, (b n, h, s, t + g)
+            query_pos = F.pad(rows, (0, padded - length))
+            query_pos = rearrange(query_pos, "(n s) -> n s 1", s=block)
+            glob_bias = mods.alibi(query_pos, rows[:glob, None], q.dtype)  # (n, h, s, g)
+            glob_bias = glob_bias.expand(batch, -1, -1, -1, -1).flatten(0, 1)
+            bias = torch.cat([bias.expand(batch * blocks, -1, -1, -1), glob_bias], dim=-1)
 
     if key_mask is None and not surely(padded == length):
         # Without padding no real query row is fully masked; the extra rows past the end
@@ -185,11 +204,24 @@ def local_attend(
         tail = rearrange(tail, "(n s) -> 1 n 1 s 1", s=block)
         mask = rearrange(mask, "(b n) 1 s t -> b n 1 s t", b=batch) | tail
         mask = rearrange(mask, "b n 1 s t -> (b n) 1 s t")
+    block_mods = None
+    if mods is not None:
+        block_mods = mods.with_terms(bias if alibi else None)
     if _kernel.reporting():  # the call that runs: per-block tensors and the band mask
-        _kernel.report("local", _kernel.explicit_reasons(need_weights), q=qb, k=kb, v=vb,
-                       mask=mask, **facts)
+        _kernel.report("local", reasons, q=qb, k=kb, v=vb,
+                       mask=with_bias(mask, bias) if alibi else mask, **facts)
+    shared = None
+    if alibi and not glob and isinstance(length, int) and not exporting():
+        dirty = None
+        if key_mask is None:  # the ends only: known from the sizes
+            dirty = _dirty_blocks(batch, blocks, block, left, right, length, q.device)
+        elif key_mask.dtype == torch.bool and not torch.compiler.is_compiling():
+            dirty = (~band_keys).flatten(1).any(1).nonzero().flatten()  # reads the mask
+            dirty = dirty if 2 * dirty.numel() < batch * blocks else None
+        shared = None if dirty is None else (band, dirty)
     out, wb = _attend_blocks(
-        qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights, groups
+        qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights, groups,
+        block_mods, shared,
     )
     out = rearrange(out, "(b n) h s e -> b h (n s) e", b=batch)
     if isinstance(length, int):
@@ -206,9 +238,12 @@ def local_attend(
             row_keys = _combine(
                 position[None, :] <= torch.arange(glob, device=device)[:, None], row_keys
             )
+        glob_mods = mods
+        if alibi:
+            glob_mods = mods.at(rows[:glob, None], rows[:, None])
         out_g, weights_g = attend(
             q[:, :, :glob], k, v, row_keys, dropout_p=dropout_p, scale=scale,
-            need_weights=need_weights, report_path=False, groups=groups,
+            need_weights=need_weights, report_path=False, groups=groups, modifiers=glob_mods,
         )
         out = out.slice_scatter(out_g, dim=2, end=glob)  # no (l - g)-sized slice: no guard
         if need_weights:
@@ -226,20 +261,69 @@ def _attend_blocks(
     scale: float,
     need_weights: bool,
     groups: int,
+    mods: Modifiers | None = None,
+    shared: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One batched attention call over all blocks.
 
     :func:`mmattn.kernels.dense.attend` guards rows without any allowed key; when the caller
     knows there are none (no key mask), the fused path calls SDPA directly and saves three
     passes over the (b·n, 1, s, t) mask and the output.
+
+    With ALiBi the fused call needs one float mask: band AND key validity is per block, the
+    ALiBi term per head, and their combination a (b·n, h, s, t) tensor as large as the
+    scores. ``shared`` = (band (s, t), dirty block indices): every block first runs under
+    the one (1, h, s, t) band + ALiBi mask, exact for the blocks whose slab lies inside the
+    sequence and holds no padded key; the others (the ends, the padding) run again under
+    their own masks and take their place.
     """
-    if dead_rows or need_weights or not _kernel.use_fused_attn():
+    if need_weights or not _kernel.use_fused_attn() or (mods and mods.explicit) or (
+        dead_rows and shared is None
+    ):
         return attend(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale,
-                      need_weights=need_weights, report_path=False, groups=groups)
-    out = _kernel.sdpa(
-        qb, kb, vb, mask, dropout_p=dropout_p, scale=scale, groups=groups, dead_rows=False
-    )
+                      need_weights=need_weights, report_path=False, groups=groups,
+                      modifiers=mods)
+    sinks = None if mods is None else mods.sinks
+    bias = None if mods is None else mods.bias
+    if shared is None:
+        return _kernel.sdpa(
+            qb, kb, vb, with_bias(mask, bias), dropout_p=dropout_p, scale=scale, groups=groups,
+            dead_rows=False, sinks=sinks,
+        ), None
+    band, dirty = shared
+    if dead_rows:  # padded keys may hold anything (NaN): the shared pass reads them too
+        kb, vb = _kernel.clear_dead_keys(mask, kb, vb)
+    out = _kernel.sdpa(qb, kb, vb, with_bias(band, bias), dropout_p=dropout_p, scale=scale,
+                       groups=groups, dead_rows=False, sinks=sinks)
+    if dirty.numel():  # their own masks, dead rows guarded
+        redo, _ = attend(
+            qb.index_select(0, dirty), kb.index_select(0, dirty), vb.index_select(0, dirty),
+            mask.index_select(0, dirty), dropout_p=dropout_p, scale=scale, report_path=False,
+            groups=groups, modifiers=mods,
+        )
+        # along the layout SDPA writes ((b n), s, h, e), so the later reshapes stay views;
+        # in place where nothing saved ``out`` for a backward pass
+        rows, redo = out.transpose(1, 2), redo.transpose(1, 2)
+        if out.requires_grad:
+            rows = rows.index_copy(0, dirty, redo)
+        else:
+            rows = rows.index_copy_(0, dirty, redo)
+        out = rows.transpose(1, 2)
     return out, None
+
+
+def _dirty_blocks(
+    batch: int, blocks: int, block: int, left: int, right: int, length: int, device
+) -> Tensor | None:
+    """((b n),) indices of the blocks whose key slab reaches past either end of the sequence
+    (their mask is not the band's); None when no block's slab lies inside."""
+    first = -(-left // block)  # blocks m >= first start their slab at m·s - w >= 0
+    stop = (length - block - right) // block + 1  # blocks m < stop end it inside
+    if stop <= first:
+        return None
+    ends = [m for m in range(blocks) if m < first or m >= stop]
+    index = [item * blocks + m for item in range(batch) for m in ends]
+    return torch.tensor(index, dtype=torch.long, device=device)
 
 
 def _scatter_weights(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +39,9 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn._helpers import exporting
+from mmattn.kernels import modifiers as _mods
+from mmattn.kernels._scores import dot_scores, group_mask
+from mmattn.kernels.modifiers import Modifiers
 from mmattn.masks import causal_mask
 
 _FUSED_ATTN = os.environ.get("MMATTN_FUSED_ATTN", "1").strip().lower() not in ("0", "false", "no")
@@ -77,7 +80,10 @@ def add_listener(listener: Listener) -> Callable[[], None]:
 
     A record holds ``path`` (``"fused"``, ``"explicit"``, ``"local"``, ``"packed"``, ...),
     ``reasons`` (why not fused; empty when fused) and the call's tensors and settings
-    (``q``, ``k``, ``v``, ``mask``, ``dropout_p``, ``is_causal``, ``scale``).
+    (``q``, ``k``, ``v``, ``mask``, ``dropout_p``, ``is_causal``, ``scale``) and, when the
+    call has score modifiers, ``modifiers`` (a :class:`~mmattn.kernels.modifiers.Modifiers`):
+    its weights are then softmax over softcap(q kᵀ · scale) + ``mask`` (the reported mask
+    holds the ALiBi term) and the sink logit of each head.
     """
     _LISTENERS.append(listener)
 
@@ -100,9 +106,11 @@ def report(path: str, reasons: list[str] | None = None, **facts: Any) -> None:
         listener(record)
 
 
-def explicit_reasons(need_weights: bool) -> list[str]:
+def explicit_reasons(need_weights: bool, modifiers: Modifiers | None = None) -> list[str]:
     """Why a call runs the explicit path instead of the fused one (empty: it does not)."""
     reasons = []
+    if modifiers is not None and modifiers.softcap is not None:
+        reasons.append("softcap caps the scores before the softmax (no fused kernel does)")
     if need_weights:
         reasons.append("attention weights were requested (need_weights=True)")
     if not _FUSED_ATTN:
@@ -168,6 +176,7 @@ def sdpa(
     scale: float | None = None,
     groups: int = 1,
     dead_rows: bool = True,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` under the one dead-row policy of every path.
 
@@ -175,6 +184,7 @@ def sdpa(
     NaN) and its result set to zero with ``torch.where``. The dense, blocked and packed
     kernels all call SDPA through here. ``dead_rows=False`` is the caller's promise that
     every row has a key (e.g. a band with no key mask): the guard's passes are then skipped.
+    ``sinks`` (h,): sink logits joining every softmax (:func:`~.modifiers.sink_sdpa`).
 
     Shape:
         - q: (b, h, i, e); k: (b, k, j, e); v: (b, k, j, e_v); mask broadcastable to
@@ -197,10 +207,14 @@ def sdpa(
         if mask.dtype == torch.bool:
             mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
         mask = mask.expand(*mask.shape[:-2], q.shape[-2], mask.shape[-1])
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=groups > 1,
-    )
+    if sinks is not None:
+        out = _mods.sink_sdpa(q, k, v, mask, sinks, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, groups=groups)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=groups > 1,
+        )
     return out if live is None else torch.where(live, out, 0.0)
 
 
@@ -220,69 +234,20 @@ def clear_dead_keys(mask: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]
     return torch.where(seen, k, 0.0), torch.where(seen, v, 0.0)
 
 
-def group_mask(mask: Tensor, groups: int, q_len: int) -> Tensor:
-    """Fold a (b, h, i, j)-broadcastable mask to (b, k | 1, (g i) | 1, j) for grouped queries.
-
-    The query heads of one key head are laid along the query axis (``b (k g) i e -> b k (g
-    i) e``), so the mask must follow: a mask shared by the heads repeats over ``g``; a
-    per-head mask is regrouped. A mask with one row for all queries stays as it is.
-    """
-    if mask.dim() < 4:
-        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    heads, rows = mask.shape[1], mask.shape[2]
-    if heads == 1:
-        return mask if rows == 1 else mask.repeat(1, 1, groups, 1)
-    mask = mask.expand(-1, -1, q_len, -1)
-    return rearrange(mask, "b (k g) i j -> b k (g i) j", g=groups)
-
-
 # ---------------------------------------------------------------------- explicit path
 
 
-def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """q kᵀ · scale from one ``baddbmm`` with the scale folded in.
-
-    Half-precision inputs get float32 scores, as the fused kernels keep them, so large
-    activations neither overflow nor lose the ranking of close scores.
-
-    Shape:
-        - q: (..., i, e); k: (..., j, e)
-        - returns: (..., i, j)
-    """
-    *lead, q_len, width = q.shape
-    k_len = k.shape[-2]
-    q3 = q.reshape(-1, q_len, width)  # ((b h), i, e)
-    k3 = k.reshape(-1, k_len, width)  # ((b h), j, e)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        q3, k3 = q3.float(), k3.float()
-    # Autocast would cast baddbmm back to half precision: keep the float32 scores.
-    with _no_autocast(q.device.type):
-        scores = torch.baddbmm(
-            q3.new_empty(()).expand(q3.shape[0], q_len, k_len),
-            q3,
-            k3.transpose(1, 2),
-            beta=0.0,
-            alpha=scale,
-        )
-    return scores.view(*lead, q_len, k_len)
-
-
-def _no_autocast(device_type: str) -> AbstractContextManager:
-    """Autocast switched off on the devices that have it (a no-op elsewhere, e.g. meta)."""
-    if device_type in ("cpu", "cuda"):
-        return torch.autocast(device_type, enabled=False)
-    return nullcontext()
-
-
 def softmax_attend(
-    scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
+    scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The explicit path for any score function: softmax(scores + mask) v, and the weights.
 
     ``scores`` (..., i, j) may be overwritten when it is a contiguous buffer and nothing that
     feeds it (``scores``, a float ``mask``: a learned bias) needs a gradient. A row with no
     allowed key is opened before the softmax and zeroed after. Half-precision scores get a
-    float32 softmax.
+    float32 softmax. ``sinks`` (broadcastable to (..., i, 1)) join each row's softmax as a key
+    of value zero; the weights returned leave the sink out.
 
     Shape:
         - scores: (..., i, j); v: (..., j, e_v); mask: broadcastable to (..., i, j)
@@ -303,7 +268,9 @@ def softmax_attend(
             )
         else:
             scores = scores.add_(mask) if in_place else scores + mask
-    if scores.dtype in (torch.float16, torch.bfloat16):
+    if sinks is not None:
+        weights = _mods.sink_softmax(scores, sinks)
+    elif scores.dtype in (torch.float16, torch.bfloat16):
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
     elif in_place:
         # Inference: softmax in place. A fresh (..., i, j) buffer costs page faults that take
@@ -322,24 +289,30 @@ def softmax_attend(
 
 
 def grouped_softmax_attend(
-    scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
+    scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+    modifiers: Modifiers | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`softmax_attend` when ``v`` has fewer heads than ``scores`` (grouped queries).
 
     The g query heads of a key head are folded into the query axis, as in the explicit path,
-    so values are never repeated per query head.
+    so values are never repeated per query head. ``modifiers``: softcap, ALiBi (at
+    ``0 .. i - 1`` / ``0 .. j - 1`` unless set) and sinks on these scores.
 
     Shape:
         - scores: (b, h, i, j); v: (b, k, j, e_v) with ``k`` dividing ``h``
         - returns: (b, h, i, e_v) and the weights (b, h, i, j)
     """
     groups = scores.shape[-3] // v.shape[-3]
-    if groups == 1:
-        return softmax_attend(scores, v, mask, dropout_p)
     rows = scores.shape[-2]
+    sinks = None
+    if modifiers:
+        bias = modifiers.terms(rows, scores.shape[-1], scores.device, scores.dtype)
+        scores, sinks = modifiers.hook(scores, bias), modifiers.row_sinks(groups, rows)
+    if groups == 1:
+        return softmax_attend(scores, v, mask, dropout_p, sinks)
     folded = rearrange(scores, "b (k g) i j -> b k (g i) j", g=groups)
     mask = None if mask is None else group_mask(mask, groups, rows)
-    out, weights = softmax_attend(folded, v, mask, dropout_p)
+    out, weights = softmax_attend(folded, v, mask, dropout_p, sinks)
     out = rearrange(out, "b k (g i) e -> b (k g) i e", g=groups, i=rows)
     weights = rearrange(weights, "b k (g i) j -> b (k g) i j", g=groups, i=rows)
     return out, weights
@@ -360,6 +333,7 @@ def attend(
     need_weights: bool = False,
     report_path: bool = True,
     groups: int | None = None,
+    modifiers: Modifiers | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention on head-split tensors: the fused or the explicit path (unchecked).
 
@@ -375,6 +349,8 @@ def attend(
         report_path: tell the path listeners (callers that report for themselves pass False).
         groups: query heads per key head (modules pass ``num_heads // num_kv_heads``;
             default: from the shapes, see :func:`num_groups`).
+        modifiers: sinks, softcap and ALiBi (:mod:`mmattn.kernels.modifiers`); softcap runs
+            the explicit path, ALiBi joins the mask, sinks use the logsumexp identity.
 
     Shape:
         - q: (b, h, i, e); k: (b, k, j, e); v: (b, k, j, e_v)
@@ -383,40 +359,50 @@ def attend(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     groups = num_groups(q, k, groups)
-    explicit = need_weights or not _FUSED_ATTN
-    if is_causal and (mask is not None or explicit):
+    mods = modifiers if modifiers else None
+    explicit = need_weights or not _FUSED_ATTN or (mods is not None and mods.explicit)
+    bias = None if mods is None else mods.terms(q.shape[-2], k.shape[-2], q.device, q.dtype)
+    if is_causal and (mask is not None or explicit or bias is not None):
         mask = with_causal(mask, q.shape[-2], k.shape[-2], q.device)
         is_causal = False
     if report_path and _LISTENERS:
         report(
-            "explicit" if explicit else "fused", explicit_reasons(need_weights), q=q, k=k, v=v,
-            mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            "explicit" if explicit else "fused", explicit_reasons(need_weights, mods), q=q, k=k,
+            v=v, mask=_mods.with_bias(mask, bias), dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, modifiers=mods,
         )
     if q.numel() == 0 or k.numel() == 0:
         return _empty(q, k, v, need_weights)
     if mask is not None:
         k, v = clear_dead_keys(mask, k, v)
     if explicit:  # softmax_attend opens and zeroes the rows without an allowed key
-        out, weights = _explicit(q, k, v, mask, dropout_p, scale, groups)
+        out, weights = _explicit(q, k, v, mask, dropout_p, scale, groups, mods, bias)
         return out, (weights if need_weights else None)
     out = sdpa(
-        q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, groups=groups
+        q, k, v, _mods.with_bias(mask, bias), dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, groups=groups, sinks=None if mods is None else mods.sinks,
     )
     return out, None
 
 
 def _explicit(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, scale: float,
-    groups: int,
+    groups: int, mods: Modifiers | None = None, bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """softmax(q kᵀ · scale + mask) v; grouped query heads share their key head's K and V."""
-    if groups == 1:
-        return softmax_attend(dot_scores(q, k, scale), v, mask, dropout_p)
-    # Fold the g query heads of each key head into the query axis: no repeated K/V is built.
+    """softmax(hook(q kᵀ · scale) + mask) v; grouped query heads share their key head's K, V.
+
+    The g query heads of each key head are folded into the query axis: no repeated K/V."""
     rows = q.shape[-2]
-    qg = rearrange(q, "b (k g) i e -> b k (g i) e", g=groups)
-    mask = None if mask is None else group_mask(mask, groups, rows)
-    out, weights = softmax_attend(dot_scores(qg, k, scale), v, mask, dropout_p)
+    if groups > 1:
+        q = rearrange(q, "b (k g) i e -> b k (g i) e", g=groups)
+        mask = None if mask is None else group_mask(mask, groups, rows)
+        bias = None if bias is None else group_mask(bias, groups, rows)
+    scores, sinks = dot_scores(q, k, scale), None
+    if mods is not None:
+        scores, sinks = mods.hook(scores, bias), mods.row_sinks(groups, rows)
+    out, weights = softmax_attend(scores, v, mask, dropout_p, sinks)
+    if groups == 1:
+        return out, weights
     out = rearrange(out, "b k (g i) e -> b (k g) i e", g=groups, i=rows)
     weights = rearrange(weights, "b k (g i) j -> b (k g) i j", g=groups, i=rows)
     return out, weights

@@ -113,6 +113,14 @@ def additive() -> nn.Module:
     return AdditiveAttention(D, H)
 
 
+def mha_modifiers() -> nn.Module:
+    return MultiHeadAttention(D, H, num_kv_heads=2, sinks=True, alibi=True)
+
+
+def local_modifiers() -> nn.Module:
+    return LocalAttention(D, H, window_size=3, causal=True, sinks=True, alibi=True, softcap=4.0)
+
+
 def _neighborhood(name: str, global_tokens: int) -> Case:
     """NeighborhoodAttention on a 5 × 6 grid: the length is the grid's, the batch dynamic."""
     length = global_tokens + 5 * 6
@@ -163,6 +171,8 @@ CASES = [
     _self_attention(local),
     _self_attention(local_causal_gqa),
     _self_attention(additive),
+    _self_attention(mha_modifiers),
+    _self_attention(local_modifiers),
     _neighborhood("neighborhood", 0),
     _neighborhood("neighborhood_global", 1),
     _tokens_case("block", lambda: TransformerBlock(D, 2)),

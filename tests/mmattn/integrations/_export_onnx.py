@@ -30,7 +30,7 @@ REASON = "needs the onnx extra: pip install 'mmattn[onnx]'"
 #: The cases with SDPA inside: opset 23 lowers it to ONNX Attention. The others (additive
 #: scores, adapters) have no attention op to lower; for them opset 23 changes nothing else.
 SDPA_CASES = {"mha", "mha_cross_gqa", "local", "local_causal_gqa", "block", "encoder_local",
-              "multimodal", "neighborhood", "neighborhood_global"}
+              "multimodal", "neighborhood", "neighborhood_global", "mha_modifiers"}
 
 
 def params(cases) -> list:

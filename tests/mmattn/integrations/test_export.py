@@ -104,10 +104,17 @@ def test_tokens_dynamic_shapes_refuses_packed_and_non_tokens():
 
 def _decoders():
     torch.manual_seed(0)
+    modified = [  # ALiBi at the step's positions, sinks in every step's softmax
+        MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, alibi=True),
+        LocalAttention(16, 4, window_size=3, causal=True, sinks=True, alibi=True),
+    ]
+    for module in modified:
+        torch.nn.init.normal_(module.sinks)
     return [
         MultiHeadAttention(16, 4, num_kv_heads=2, position="rotary"),
         TransformerBlock(16, 2, causal=True),
         LocalAttention(16, 4, window_size=3, causal=True),
+        *modified,
     ]
 
 

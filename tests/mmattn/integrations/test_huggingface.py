@@ -339,8 +339,8 @@ def test_attention_sinks_and_unknown_arguments_raise_naming_model_and_argument()
     q = k = v = torch.randn(1, 2, 4, 8)
     model, _, _ = _llama()
     layer = model.model.layers[0].self_attn
-    with pytest.raises(ValueError, match=r"LlamaAttention \(model type 'llama'\) passed s_aux"):
-        hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"LlamaAttention \(model type 'llama'\) passed sinks"):
+        hf.attention_forward(layer, q, k, v, None, sinks=torch.zeros(2))
     with pytest.raises(TypeError, match=r"LlamaAttention .* keyword argument bogus=3"):
         hf.attention_forward(layer, q, k, v, None, bogus=3)
     with pytest.raises(ValueError, match="heads must divide"):
