@@ -173,6 +173,7 @@ class AdditiveAttention(MultiHeadAttention):
             _kernel.report(
                 "explicit" if explicit else "chunked", reasons, q=q, k=k, v=v, mask=mask,
                 dropout_p=dropout_p, is_causal=is_causal, scale=None,
+                score_weight=self.score_weight,
             )
         if mask is not None:
             k, v = _kernel.clear_dead_keys(mask, k, v)

@@ -187,7 +187,7 @@ def local_attend(
         mask = rearrange(mask, "b n 1 s t -> (b n) 1 s t")
     if _kernel.reporting():  # the call that runs: per-block tensors and the band mask
         _kernel.report("local", _kernel.explicit_reasons(need_weights), q=qb, k=kb, v=vb,
-                       mask=mask, **facts)
+                       mask=mask, inputs=(q, k, key_mask), **facts)
     out, wb = _attend_blocks(
         qb, kb, vb, mask, key_mask is not None, dropout_p, scale, need_weights, groups
     )
