@@ -15,6 +15,7 @@ running top keys. Nothing is kept of a tile once it is added.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from mmattn._helpers import exporting
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.debug import _mass_views as views
 from mmattn.debug._mass_groups import Layout, token_groups
+from mmattn.kernels import dense as _kernel
 from mmattn.kernels.packed import contiguous_parts, is_jagged
 from mmattn.tokens import Tokens
 
@@ -65,31 +67,43 @@ class Tally:
             raise Unsupported(f"the call's kernels disagree on heads ({self.sums.shape[0]}, "
                               f"{heads})")
 
-    def rows(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
-        """Add a tile: w (n, h, r, j), q_tok (n, r), k_tok (n, j) token ids (-1: none)."""
-        heads, groups = w.shape[1], self.num_groups + 1
-        self._start(heads, w)
+    def rows(self, tile: views.Tile) -> None:
+        """Add a tile (:class:`~mmattn.debug._mass_views.Tile`) of query rows."""
+        heads, groups = tile.q.shape[1], self.num_groups + 1
+        self._start(heads, tile.q)
+        q_tok, k_tok = tile.q_tok, tile.k_tok
         k_group = torch.where(k_tok >= 0, self.k_group[k_tok.clamp(min=0)], groups - 1)
         q_group = torch.where(q_tok >= 0, self.q_group[q_tok.clamp(min=0)], groups - 1)
-        onehot = F.one_hot(k_group, groups).to(w.dtype)[:, None]  # (n, 1, j, G + 1)
-        per_row = rearrange(torch.matmul(w, onehot), "n h r g -> h (n r) g")
+        if self.topk or tile.score_weight is not None:
+            per_row = []
+            for part, kg in zip(views.chunks(tile, SUM_ELEMENTS),
+                                views.split_slots(k_group, tile, SUM_ELEMENTS)):
+                w = views.weights(part)
+                onehot = F.one_hot(kg, groups).to(w.dtype)[:, None]  # (n, 1, j, G + 1)
+                per_row.append(torch.matmul(w, onehot))
+                if self.topk:
+                    self._top_rows(w, part.q_tok, part.k_tok)
+            per_row = torch.cat(per_row)
+        else:
+            per_row = _tile_sums(tile, k_group, groups)
+        per_row = rearrange(per_row, "n h r g -> h (n r) g")
         self.sums.index_add_(1, q_group.reshape(-1), per_row.double())
-        if self.top is not None:
-            self._top_rows(w, q_tok, k_tok)
 
     def _top_rows(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
-        order = k_tok.argsort(dim=-1, stable=True)  # ties: the lower key index first
-        k_tok = k_tok.gather(-1, order)
-        w = w.gather(-1, order[:, None, None, :].expand_as(w))
+        """Keep the k best keys of every row: weight first, then the lower key index."""
+        k = min(self.topk, w.shape[-1])
         key = torch.where((k_tok >= 0)[:, None, None, :] & (w > 0), w, -1.0)
-        values, at = key.sort(dim=-1, descending=True, stable=True)
-        values, at = values[..., : self.topk], at[..., : self.topk]
+        if not _ascending(k_tok):  # ties go to the lower index: columns in index order
+            order = k_tok.argsort(dim=-1, stable=True)
+            k_tok = k_tok.gather(-1, order)
+            key = key.gather(-1, order[:, None, None, :].expand_as(key))
+        values, at = _best(key, k)
         ids = k_tok[:, None, None, :].expand_as(key).gather(-1, at)
         keep = values > 0
         index = torch.where(keep, self.layout.pos[ids.clamp(min=0)], -1)
         values = torch.where(keep, values, 0.0)
-        if values.shape[-1] < self.topk:
-            extra = self.topk - values.shape[-1]
+        if k < self.topk:
+            extra = self.topk - k
             values, index = F.pad(values, (0, extra)), F.pad(index, (0, extra), value=-1)
         real = (q_tok >= 0) & self.layout.real[q_tok.clamp(min=0)]
         rows = q_tok[real]
@@ -125,6 +139,137 @@ class Tally:
         top_i[b, head, i, r] = self.layout.pos[kq[edge, head]]
 
 
+def _tile_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
+    """(n, h, r, G + 1) the weight each row of a tile gives to each key group.
+
+    A row's weights over its allowed keys sum to 1 (0 for a dead row), so where every key a
+    slot's rows may attend is of one group, that group gets all of it and no score is
+    needed; only the slots whose allowed keys mix groups are computed
+    (:func:`_group_sums`). In a fused sequence that is the few tiles at a border.
+    """
+    n, heads, rows, _ = tile.q.shape
+    allowed, bias = tile.allowed, tile.bias
+    ok = torch.ones(n, 1, 1, k_group.shape[1], dtype=torch.bool, device=k_group.device)
+    if allowed is not None:
+        ok = ok & allowed
+    if bias is not None:
+        ok = ok & ~torch.isneginf(bias)
+    live = ok.any(dim=-1)  # (n, h | 1, r | 1)
+    cols = ok.flatten(1, 2).any(dim=1)  # (n, j): a key some row of the slot may attend
+    low = torch.where(cols, k_group, groups).amin(dim=-1)
+    high = torch.where(cols, k_group, -1).amax(dim=-1)
+    single = (low == high) | ~cols.any(dim=-1)
+    sums = torch.zeros(n, heads, rows, groups, device=k_group.device,
+                       dtype=torch.promote_types(tile.q.dtype, torch.float32))
+    one = F.one_hot(low.clamp(max=groups - 1), groups).to(sums.dtype)[:, None, None]
+    sums += live.expand(n, heads, rows)[..., None] * one
+    mixed = (~single).nonzero().flatten()
+    if mixed.numel() == n:  # every slot: no copy of the tile
+        return _flash_sums(tile, k_group, groups)
+    if mixed.numel():
+        part = tile._replace(
+            q=tile.q[mixed], k=tile.k[mixed],
+            allowed=None if allowed is None else _slots_of(allowed, mixed),
+            bias=None if bias is None else _slots_of(bias, mixed),
+        )
+        sums[mixed] = _flash_sums(part, k_group[mixed], groups)
+    return sums
+
+
+def _flash_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
+    """:func:`_group_sums` through SDPA: the keys' one-hot groups as values (padded to the
+    head width, which the CPU flash kernel needs); rows without keys give zeros."""
+    q, k = tile.q, tile.k
+    width = q.shape[-1]
+    if groups > width or q.dtype != torch.float32:  # half precision: float32 scores
+        return _group_sums(tile, k_group, groups)
+    values = F.pad(F.one_hot(k_group, groups).to(q.dtype), (0, width - groups))
+    values = values[:, None].expand(-1, k.shape[1], -1, -1)
+    mask = tile.allowed
+    if tile.bias is not None:
+        bias = tile.bias.to(q.dtype)
+        mask = bias if mask is None else bias.masked_fill(~mask, -math.inf)
+    out = _kernel.sdpa(q, k, values, mask, scale=tile.scale,
+                       groups=q.shape[1] // max(k.shape[1], 1))
+    return out[..., :groups].float()
+
+
+def _slots_of(t: Tensor, index: Tensor) -> Tensor:
+    return t if t.shape[0] == 1 else t[index]
+
+
+#: Scores per step of :func:`_group_sums` (small enough to stay in the CPU's cache).
+SUM_ELEMENTS = 1 << 17
+
+
+def _best(key: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest of every row, best first, ties to the lower column (columns in index
+    order): k passes of ``max`` (which returns the first maximum) for small k, else topk
+    with the ties at the k-th value settled by column."""
+    if k <= 16:
+        key = key.clone()
+        values, at = [], []
+        for _ in range(k):
+            value, index = key.max(dim=-1, keepdim=True)
+            values.append(value)
+            at.append(index)
+            key.scatter_(-1, index, -2.0)  # below every weight and every "no key" (-1)
+        return torch.cat(values, dim=-1), torch.cat(at, dim=-1)
+    kth = key.topk(k, dim=-1).values[..., -1:]
+    above, tied = key > kth, key == kth
+    need = k - above.sum(dim=-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= need))  # exactly k a row
+    at = chosen.nonzero(as_tuple=True)[-1].view(*key.shape[:-1], k)  # ascending
+    values, order = key.gather(-1, at).sort(dim=-1, descending=True, stable=True)
+    return values, at.gather(-1, order)
+
+
+def _ascending(k_tok: Tensor) -> bool:
+    """Whether the real key columns of every slot come in increasing token order."""
+    ids = torch.where(k_tok >= 0, k_tok, -1)
+    return bool(((ids >= ids.cummax(dim=-1).values) | (ids < 0)).all())
+
+
+def _group_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
+    """(n, h, r, G + 1) the weight each row gives to each key group: the softmax of each
+    step's scores, in place, times the keys' one-hot groups; dead rows give zeros."""
+    q, k = tile.q, tile.k
+    n, heads, rows, _ = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kv_heads, keys = k.shape[1], k.shape[2]
+    g = heads // max(kv_heads, 1)
+    onehot = F.one_hot(k_group, groups).to(acc)[:, None]  # (n, 1, j, G + 1)
+    allowed, bias = tile.allowed, tile.bias
+    live = None
+    if allowed is not None:
+        live = allowed.any(dim=-1, keepdim=True)
+    if bias is not None:
+        seen = ~torch.isneginf(bias).all(dim=-1, keepdim=True)
+        live = seen if live is None else live & seen
+    qs = rearrange(q.to(acc) * tile.scale, "n (k g) r e -> n k (g r) e", g=g)
+    step = max(1, SUM_ELEMENTS // max(1, heads * rows * keys))
+    out = []
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        scores = torch.matmul(qs[n0:n1], k[n0:n1].to(acc).transpose(-1, -2))
+        scores = rearrange(scores, "n k (g r) j -> n (k g) r j", g=g)
+        add = None if bias is None else views._part(bias, n0, n1).to(acc)
+        if allowed is not None:  # a small additive mask: adding beats masked_fill_ here
+            ok = views._part(allowed, n0, n1)
+            blocked = torch.zeros(ok.shape, dtype=acc, device=q.device).masked_fill_(
+                ~ok, -math.inf)
+            add = blocked if add is None else add + blocked
+        if add is not None:
+            scores.add_(add)
+        torch._softmax(scores, -1, False, out=scores)
+        sums = torch.matmul(scores, onehot[n0:n1])
+        if live is not None and bias is not None and allowed is not None:
+            sums = torch.where(~torch.isneginf(add).all(dim=-1, keepdim=True), sums, 0.0)
+        out.append(sums)
+    sums = torch.cat(out)
+    return sums if live is None else torch.where(live, sums, 0.0)
+
+
 @dataclass
 class Call:
     """One attention module call: its name, tokens, groups and tally (or why skipped)."""
@@ -152,6 +297,8 @@ class Session:
         self.skipped: list[tuple[str, str]] = []
         self.tokens: list[Tokens | None] = []
         self.active: list[Call] = []
+        self._layouts: dict[int, tuple[Tokens, Layout]] = {}  # the Tokens kept: ids stay valid
+        self._group_cache: dict[tuple, tuple[dict, Any]] = {}
 
     # -------------------------------------------------------------- opening calls
 
@@ -191,17 +338,31 @@ class Session:
         else:
             raise Unsupported("a nested query that is not jagged")
         tokens = next((t for t in reversed(self.tokens)
-                       if t is not None and Layout.of(t).matches(layout)), None)
+                       if t is not None and self._layout(t).matches(layout)), None)
         groups = None
         if tokens is not None:
-            layout = Layout.of(tokens)
-            groups = token_groups(tokens, layout, self.by or "modality")
+            layout = self._layout(tokens)
+            groups = self._groups(tokens, layout)
         if self.by is not None and groups is None:
             raise Unsupported("its Tokens carry no modality facts (meta['spans'] or "
                               "meta['modality_ids'] with meta['modalities'])")
         names, group = groups if groups is not None else ([], None)
         call.layout, call.names = layout, names
         call.tally = Tally(layout, group, len(names), self.topk)
+
+    def _layout(self, tokens: Tokens) -> Layout:
+        """The layout of Tokens, once per Tokens object (the blocks share theirs)."""
+        key = id(tokens)
+        if key not in self._layouts:
+            self._layouts[key] = (tokens, Layout.of(tokens))
+        return self._layouts[key][1]
+
+    def _groups(self, tokens: Tokens, layout: Layout):
+        key = (id(tokens.meta), layout.batch, layout.length)
+        if key not in self._group_cache:
+            self._group_cache[key] = (tokens.meta, token_groups(tokens, layout,
+                                                                self.by or "modality"))
+        return self._group_cache[key][1]
 
     def close(self) -> None:
         call = self.active.pop()
@@ -226,7 +387,10 @@ class Session:
             with torch.no_grad():
                 kind, tiles = self._tiles(record, call)
                 for tile in tiles:
-                    (call.tally.edges if kind == "edges" else call.tally.rows)(*tile)
+                    if kind == "edges":
+                        call.tally.edges(*tile)
+                    else:
+                        call.tally.rows(tile)
         except Unsupported as why:
             call.skip = str(why)
 
@@ -244,13 +408,11 @@ class Session:
     def _tiles(self, record: dict, call: Call) -> tuple[str, Iterator]:
         path, block = record["path"], self.block
         q, k = record.get("q"), record.get("k")
-        if path == "local" and "inputs" in record:
-            q, k, key_mask = record["inputs"]
-            return "rows", views.band_tiles(
-                q, k, key_mask, self._slots(record, call, q), window=record["window_size"],
-                causal=record["causal"], num_global=record["num_global_tokens"],
-                scale=record.get("scale"), block=block,
-            )
+        if path == "local":  # its blocks and slabs; "inputs" are the tensors before blocking
+            if "inputs" not in record:  # an empty sequence or batch: nothing attended
+                return "rows", iter(())
+            slots = self._slots(record, call, record["inputs"][0])
+            return "rows", views.band_tiles(record, slots)
         if path == "neighborhood":
             return "rows", self._neighborhood(record, call)
         if path in ("edge", "edge-explicit") and "src" in record:

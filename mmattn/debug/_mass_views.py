@@ -1,34 +1,50 @@
-"""The exact attention weights of one kernel call, recomputed tile by tile from its report.
+"""One kernel call as tiles of attention problems, read from its path report.
 
 Axis key: ``n`` slots (items of the call, or tiles), ``h`` query heads, ``k`` key heads, ``r``
 query rows of a tile, ``j`` key columns of a tile, ``e`` head width, ``E`` edges, ``t``
 flat token rows.
 
 Every kernel tells the path listeners (:func:`mmattn.kernels.dense.add_listener`) what it is
-about to run: its tensors and facts. A *view* turns one such report into tiles ``(w, q_tok,
-k_tok)``: the weights ``w`` (n, h, r, j) of r query rows over j candidate keys, exactly as
-the kernel forms them (the same scores, mask and "a row without keys gives zeros" rule), and
-the token each row and column is (``-1``: no token — a padded row, an appended
-``bias_k``/zero key, an empty slot). A tile holds O(block · keys of a block) numbers, so no
-view ever holds an (L, L) tensor. Edge calls give ``(w, q_tok, k_tok)`` per edge instead.
-
-Each query row is in exactly one tile of a call, so the consumer may add tiles up.
+about to run: its tensors and facts. A *view* turns one such report into :class:`Tile` s:
+queries (n, h, r, e) against candidate keys (n, k, j, e) with the kernel's own mask, and the
+token each row and column is (``-1``: no token — a padded row, an appended ``bias_k``/zero
+key, an empty slot, a row another tile answers). A local call's tiles are its own blocks and
+key slabs, a neighbourhood call's its plan's tiles, a dense call's blocks of rows; so a tile
+holds O(block · keys of a block) scores and no view ever forms an (L, L) tensor. Each query
+row is answered by exactly one tile of a call, so a consumer may add tiles up. Edge calls
+give their (E, h) weights instead (:func:`edge_weights`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
 #: At most this many scores in one tile (blocks of rows are cut to fit).
 TILE_ELEMENTS = 1 << 22
 
-Tile = tuple[Tensor, Tensor, Tensor]
+
+
+class Tile(NamedTuple):
+    """Queries against candidate keys, as the kernel runs them.
+
+    ``allowed`` (bool, True = may attend) and ``bias`` (added) broadcast to (n, h, r, j);
+    ``score_weight`` is set for additive (Bahdanau) scores instead of ``q kᵀ · scale``.
+    """
+
+    q: Tensor
+    k: Tensor
+    allowed: Tensor | None
+    bias: Tensor | None
+    scale: float
+    q_tok: Tensor
+    k_tok: Tensor
+    score_weight: Tensor | None = None
 
 
 class Slots:
@@ -60,6 +76,12 @@ def _acc(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _scale(width: int, scale: float | None) -> float:
+    if scale is not None:
+        return scale
+    return 1.0 / math.sqrt(width) if width else 1.0
+
+
 def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """q kᵀ · scale in float32 (float64 for double); k may have fewer heads (grouped queries).
 
@@ -74,15 +96,34 @@ def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
 
 
 def softmax_rows(scores: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
-    """softmax over the last axis of ``scores + bias`` where ``allowed``; rows without an
-    allowed key give zeros (the kernels' one dead-row policy)."""
+    """softmax over the last axis of ``scores + bias`` where ``allowed``, in place (``scores``
+    is a fresh buffer); rows without an allowed key give zeros (the kernels' dead-row rule)."""
+    scores = scores.contiguous()  # the in-place softmax needs a dense buffer
     if bias is not None:
-        scores = scores + bias.to(scores.dtype)
+        scores.add_(bias.to(scores.dtype))
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    live = ~torch.isneginf(scores).all(dim=-1, keepdim=True)
-    weights = torch.softmax(torch.where(live, scores, 0.0), dim=-1)
-    return torch.where(live, weights, 0.0)
+        scores.masked_fill_(~allowed, float("-inf"))
+    dead = None
+    if bias is not None or allowed is not None:
+        dead = torch.isneginf(scores.amax(dim=-1, keepdim=True))
+        if bool(dead.any()):
+            scores.masked_fill_(dead, 0.0)
+        else:
+            dead = None
+    torch._softmax(scores, -1, False, out=scores)
+    return scores if dead is None else scores.masked_fill_(dead, 0.0)
+
+
+def weights(tile: Tile) -> Tensor:
+    """The exact (n, h, r, j) weights of a tile (float32, float64 for double inputs)."""
+    if tile.score_weight is None:
+        scores = dot_scores(tile.q, tile.k, tile.scale)
+    else:
+        from mmattn.attention.additive import additive_scores
+
+        acc = _acc(tile.q)
+        scores = additive_scores(tile.q.to(acc), tile.k.to(acc), tile.score_weight.to(acc))
+    return softmax_rows(scores, tile.allowed, tile.bias)
 
 
 def split_mask(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
@@ -93,16 +134,37 @@ def split_mask(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
     return (mask, None) if mask.dtype == torch.bool else (None, mask)
 
 
-def _rows(t: Tensor | None, n0: int, n1: int, r0: int, r1: int) -> Tensor | None:
+def _part(t: Tensor | None, n0: int, n1: int, r0: int = 0, r1: int | None = None):
     """The (slots, rows) part of a 4-D mask that may broadcast along either."""
     if t is None:
         return None
     t = t if t.shape[0] == 1 else t[n0:n1]
-    return t if t.shape[2] == 1 else t[:, :, r0:r1]
+    return t if t.shape[2] == 1 or r1 is None else t[:, :, r0:r1]
 
 
-def _rows_per_tile(block: int, heads: int, keys: int, width: int = 1) -> int:
-    return max(1, min(block, TILE_ELEMENTS // max(1, heads * keys * width)))
+def _step(tile: Tile, elements: int) -> int:
+    n, heads, rows, _ = tile.q.shape
+    return max(1, elements // max(1, heads * rows * tile.k.shape[2]))
+
+
+def split_slots(t: Tensor, tile: Tile, elements: int) -> tuple[Tensor, ...]:
+    """``t`` (one row per slot of ``tile``) cut as :func:`chunks` cuts the tile."""
+    return t.split(_step(tile, elements))
+
+
+def chunks(tile: Tile, elements: int = TILE_ELEMENTS) -> Iterator[Tile]:
+    """A tile cut along its slots so that each part holds at most ``elements`` scores."""
+    n = tile.q.shape[0]
+    step = _step(tile, elements)
+    if step >= n:
+        yield tile
+        return
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        yield tile._replace(
+            q=tile.q[n0:n1], k=tile.k[n0:n1], allowed=_part(tile.allowed, n0, n1),
+            bias=_part(tile.bias, n0, n1), q_tok=tile.q_tok[n0:n1], k_tok=tile.k_tok[n0:n1],
+        )
 
 
 # ---------------------------------------------------------------------- dense
@@ -112,7 +174,7 @@ def dense_tiles(
     q: Tensor, k: Tensor, mask: Tensor | None, slots: Slots, *, is_causal: bool = False,
     scale: float | None = None, block: int = 64, score_weight: Tensor | None = None,
 ) -> Iterator[Tile]:
-    """The tiles of ``softmax(q kᵀ · scale + mask)`` (or additive scores) by blocks of rows.
+    """Blocks of rows of ``softmax(q kᵀ · scale + mask)`` (or of additive scores).
 
     Shape:
         - q: (n, h, i, e); k: (n, k, j, e); mask broadcastable to (n, h, i, j)
@@ -121,133 +183,74 @@ def dense_tiles(
     keys = k.shape[2]
     if n_all == 0 or length == 0 or keys == 0:
         return
-    if scale is None:
-        scale = 1.0 / math.sqrt(width) if width else 1.0
+    scale = _scale(width, scale)
     allowed, bias = split_mask(mask)
     extra = width if score_weight is not None else 1  # additive scores hold (r, j, e)
-    rows = _rows_per_tile(block, heads, keys, extra)
+    rows = max(1, min(block, TILE_ELEMENTS // max(1, heads * keys * extra)))
     step = max(1, TILE_ELEMENTS // max(1, heads * rows * keys * extra))
     cols = torch.arange(keys, device=q.device)
     for n0 in range(0, n_all, step):
         n1 = min(n_all, n0 + step)
         slot = torch.arange(n0, n1, device=q.device)[:, None]
         k_tok = slots.key(slot, cols[None])
-        kn = k[n0:n1]
         for r0 in range(0, length, rows):
             r1 = min(length, r0 + rows)
-            qt = q[n0:n1, :, r0:r1]
-            if score_weight is None:
-                scores = dot_scores(qt, kn, scale)
-            else:
-                from mmattn.attention.additive import additive_scores
-
-                acc = _acc(qt)
-                scores = additive_scores(qt.to(acc), kn.to(acc), score_weight.to(acc))
-            ok = _rows(allowed, n0, n1, r0, r1)
+            ok = _part(allowed, n0, n1, r0, r1)
             if is_causal:
                 causal = cols[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
                 ok = causal if ok is None else ok & causal
-            w = softmax_rows(scores, ok, _rows(bias, n0, n1, r0, r1))
             pos = torch.arange(r0, r1, device=q.device)[None]
-            yield w, slots.query(slot, pos), k_tok
+            yield Tile(q[n0:n1, :, r0:r1], k[n0:n1], ok, _part(bias, n0, n1, r0, r1), scale,
+                       slots.query(slot, pos), k_tok, score_weight)
 
 
 # ---------------------------------------------------------------------- local band
 
 
-def band_tiles(
-    q: Tensor, k: Tensor, key_mask: Tensor | None, slots: Slots, *, window: int,
-    causal: bool, num_global: int, scale: float | None, block: int | None = None,
-) -> Iterator[Tile]:
-    """The tiles of banded attention: query i sees key j iff |i - j| <= window (j <= i
-    when causal) and j is real; the first ``num_global`` tokens see and are seen by all.
+def band_tiles(record: dict, slots: Slots) -> Iterator[Tile]:
+    """A local call's own blocks against their key slabs (the tensors it reports), and its
+    global query rows against every key.
 
-    Shape:
-        - q: (n, h, l, e); k: (n, k, l, e); key_mask: (n, l) bool (True = real) or float
+    The kernel cuts the sequence into blocks of s queries; block m attends the slab of keys
+    ``[m·s - w, m·s + s + w)`` (``w`` the window clamped to the sequence; no right part
+    when causal), then the global keys.
     """
-    n_all, heads, length, width = q.shape
-    if n_all == 0 or length == 0:
+    qb, kb, mask = record["q"], record["k"], record["mask"]
+    q, k, key_mask = record["inputs"]
+    batch, _, length, width = q.shape
+    scale = _scale(width, record.get("scale"))
+    if batch == 0 or length == 0:
         return
-    if scale is None:
-        scale = 1.0 / math.sqrt(width) if width else 1.0
+    window = min(record["window_size"], length - 1)
+    glob = min(record["num_global_tokens"], length)
+    block = qb.shape[2]
+    blocks = qb.shape[0] // batch
+    left, right = window, (0 if record["causal"] else window)
+    slab = block + left + right
     device = q.device
-    window = min(window, length - 1)
-    glob = min(num_global, length)
-    rows = min(block or max(32, window // 2), length)
-    left, right = window, (0 if causal else window)
-    span = rows + left + right
-    blocks = -(-length // rows)
-    pad_k = F.pad(k, (0, 0, left, blocks * rows - length + right))
-    slabs = pad_k.unfold(2, span, rows)  # (n, k, blocks, e, span): a view, nothing copied
-    keyed = key_mask
-    if keyed is None:
-        keyed = torch.ones(n_all, length, dtype=torch.bool, device=device)
-    fill = False if keyed.dtype == torch.bool else float("-inf")
-    pad_m = F.pad(keyed, (left, blocks * rows - length + right), value=fill)
-    slab_m = pad_m.unfold(1, span, rows)  # (n, blocks, span)
-    per_block = heads * rows * (span + glob)
-    step = max(1, TILE_ELEMENTS // max(1, per_block * n_all))
-    a = torch.arange(rows, device=device)
-    c = torch.arange(span, device=device)
-    g = torch.arange(glob, device=device)
-    slot = torch.arange(n_all, device=device)[:, None, None]
-    for m0 in range(0, blocks, step):
-        m1 = min(blocks, m0 + step)
-        m = torch.arange(m0, m1, device=device)[:, None]
-        q_pos = m * rows + a  # (nb, r)
-        k_pos = m * rows - left + c  # (nb, span)
-        ks = rearrange(slabs[:, :, m0:m1], "n k b e t -> n k b t e")
-        qb = F.pad(q, (0, 0, 0, blocks * rows - length))[:, :, m0 * rows:m1 * rows]
-        qb = rearrange(qb, "n h (b r) e -> (n b) h r e", r=rows)
-        offset = q_pos[:, :, None] - k_pos[:, None, :]
-        ok = (offset.abs() <= window) & (k_pos >= glob)[:, None, :]
-        if causal:
-            ok &= offset >= 0
-        km = slab_m[:, m0:m1]  # (n, nb, span)
-        key_cols = ks
-        k_all = k_pos.expand(n_all, -1, -1)
-        if glob:  # the global keys, after the band (which leaves them out)
-            gk = k[:, :, None, :glob].expand(-1, -1, m1 - m0, -1, -1)
-            key_cols = torch.cat([ks, gk], dim=3)
-            seen = q_pos[:, :, None] >= g if causal else torch.ones(1, 1, glob, dtype=torch.bool,
-                                                                     device=device)
-            ok = torch.cat([ok, seen.expand(m1 - m0, rows, -1)], dim=2)
-            km = torch.cat([km, keyed[:, None, :glob].expand(-1, m1 - m0, -1)], dim=2)
-            k_all = torch.cat([k_all, g.expand(n_all, m1 - m0, -1)], dim=2)
-        key_cols = rearrange(key_cols, "n k b t e -> (n b) k t e")
-        scores = dot_scores(qb, key_cols, scale)  # ((n b), h, r, t)
-        ok = rearrange(ok.expand(n_all, -1, -1, -1), "n b r t -> (n b) 1 r t")
-        km = rearrange(km, "n b t -> (n b) 1 1 t")
-        if km.dtype == torch.bool:
-            w = softmax_rows(scores, ok & km, None)
-        else:
-            w = softmax_rows(scores, ok, km)
-        q_row = torch.where(q_pos >= glob, q_pos, -1)  # global rows come below
-        q_tok = slots.query(slot, q_row[None].expand(n_all, -1, -1))
-        k_tok = slots.key(slot, k_all)
-        yield w, rearrange(q_tok, "n b r -> (n b) r"), rearrange(k_tok, "n b t -> (n b) t")
+    m = torch.arange(blocks, device=device)[:, None]
+    q_pos = m * block + torch.arange(block, device=device)  # (n, s)
+    k_pos = m * block - left + torch.arange(slab, device=device)  # (n, slab)
+    k_pos = torch.cat([k_pos, torch.arange(glob, device=device).expand(blocks, -1)], dim=1)
+    item = torch.arange(batch, device=device)[:, None, None]
+    q_tok = slots.query(item, torch.where(q_pos >= glob, q_pos, -1)[None])  # global rows: below
+    k_tok = slots.key(item, k_pos[None])
+    allowed, bias = split_mask(mask)
+    yield from chunks(Tile(qb, kb, allowed, bias, scale,
+                           rearrange(q_tok, "b n s -> (b n) s"),
+                           rearrange(k_tok, "b n t -> (b n) t")))
     if glob:  # the global query rows see every key
         cols = torch.arange(length, device=device)
-        ok = None if not causal else (cols[None, :] <= g[:, None])[None, None]
-        km = rearrange(keyed, "n j -> n 1 1 j")
-        if km.dtype == torch.bool:
-            ok = km if ok is None else ok & km
-            km = None
-        yield from dense_tiles_masked(q[:, :, :glob], k, ok, km, slots, scale)
-
-
-def dense_tiles_masked(
-    q: Tensor, k: Tensor, allowed: Tensor | None, bias: Tensor | None, slots: Slots,
-    scale: float,
-) -> Iterator[Tile]:
-    """One tile per slot of a few rows against all keys (the global rows of a band)."""
-    for n in range(q.shape[0]):
-        scores = dot_scores(q[n:n + 1], k[n:n + 1], scale)
-        w = softmax_rows(scores, _rows(allowed, n, n + 1, 0, q.shape[2]),
-                         _rows(bias, n, n + 1, 0, q.shape[2]))
-        slot = torch.tensor([[n]], device=q.device)
-        yield (w, slots.query(slot, torch.arange(q.shape[2], device=q.device)[None]),
-               slots.key(slot, torch.arange(k.shape[2], device=q.device)[None]))
+        ok = None if not record["causal"] else (cols[None, :] <= cols[:glob, None])[None, None]
+        keyed = None if key_mask is None else rearrange(key_mask, "b j -> b 1 1 j")
+        bias = None
+        if keyed is not None and keyed.dtype == torch.bool:
+            ok = keyed if ok is None else ok & keyed
+        else:
+            bias = keyed
+        item = torch.arange(batch, device=device)[:, None]
+        yield from chunks(Tile(q[:, :, :glob], k, ok, bias, scale,
+                               slots.query(item, cols[None, :glob]), slots.key(item, cols[None])))
 
 
 # ---------------------------------------------------------------------- neighbourhood
@@ -262,8 +265,7 @@ def plan_tiles(
         - q: (t, h, e); k: (t, k, e); key_mask: (t,) bool or float, or None
     """
     rows, heads, width = q.shape
-    if scale is None:
-        scale = 1.0 / math.sqrt(width) if width else 1.0
+    scale = _scale(width, scale)
     zero = rows
     qz = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
     kz = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
@@ -278,34 +280,28 @@ def plan_tiles(
         n1 = min(n, n0 + step)
         qi = plan.q_index[n0 * s:n1 * s]
         ki = plan.k_index[n0 * t:n1 * t]
-        qt = rearrange(qz[qi], "(n s) h e -> n h s e", s=s)
-        kt = rearrange(kz[ki], "(n t) k e -> n k t e", t=t)
-        ok = plan.allowed[n0:n1][:, None]
-        bias = None
-        if km is not None:
-            kmt = rearrange(km[ki], "(n t) -> n 1 1 t", t=t)
-            if kmt.dtype == torch.bool:
-                ok = ok & kmt
-            else:
-                bias = kmt
-        w = softmax_rows(dot_scores(qt, kt, scale), ok, bias)
+        ok, bias = _key_rule(plan.allowed[n0:n1][:, None], km, ki, t)
         slot_id = torch.arange(n0 * s, n1 * s, device=q.device)
-        picked = (qi < zero) & (pick[qi] == slot_id)
-        q_tok = torch.where(picked, qi, -1).view(n1 - n0, s)
-        k_tok = torch.where(ki < zero, ki, -1).view(n1 - n0, t)
-        yield w, q_tok, k_tok
-    if plan.gq_index.numel():  # global rows attend every key of their item
-        for b in range(plan.gq_index.shape[0]):
-            gq, gk = plan.gq_index[b:b + 1], plan.gk_index[b:b + 1]
-            qt = rearrange(qz[gq], "n g h e -> n h g e")
-            kt = rearrange(kz[gk], "n j k e -> n k j e")
-            ok = plan.gk_valid[b:b + 1][:, None, None]
-            bias = None
-            if km is not None:
-                kmt = rearrange(km[gk], "n j -> n 1 1 j")
-                ok, bias = (ok & kmt, None) if kmt.dtype == torch.bool else (ok, kmt)
-            w = softmax_rows(dot_scores(qt, kt, scale), ok, bias)
-            yield w, torch.where(gq < zero, gq, -1), torch.where(plan.gk_valid[b:b + 1], gk, -1)
+        picked = (qi < zero) & (pick[qi] == slot_id)  # a row answered by its first tile
+        yield Tile(rearrange(qz[qi], "(n s) h e -> n h s e", s=s),
+                   rearrange(kz[ki], "(n t) k e -> n k t e", t=t), ok, bias, scale,
+                   torch.where(picked, qi, -1).view(n1 - n0, s),
+                   torch.where(ki < zero, ki, -1).view(n1 - n0, t))
+    for b in range(plan.gq_index.shape[0]):  # global rows attend every key of their item
+        gq, gk = plan.gq_index[b:b + 1], plan.gk_index[b:b + 1]
+        valid = plan.gk_valid[b:b + 1]
+        ok, bias = _key_rule(valid[:, None, None], km, gk.reshape(-1), gk.shape[1])
+        yield Tile(rearrange(qz[gq], "n g h e -> n h g e"),
+                   rearrange(kz[gk], "n j k e -> n k j e"), ok, bias, scale,
+                   torch.where(gq < zero, gq, -1), torch.where(valid, gk, -1))
+
+
+def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
+    """A tile's pattern with the gathered key mask: (allowed, bias)."""
+    if km is None:
+        return ok, None
+    keyed = rearrange(km[index], "(n t) -> n 1 1 t", t=width)
+    return (ok & keyed, None) if keyed.dtype == torch.bool else (ok, keyed)
 
 
 # ---------------------------------------------------------------------- edges

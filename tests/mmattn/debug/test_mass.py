@@ -23,7 +23,8 @@ from mmattn import (
 from mmattn.debug import attention_mass, record_attention, top_keys
 
 D, H = 16, 4
-EDGES = torch.tensor([[0, 1, 2, 3, 7, 8, 9, 15, 16, 20, 24], [1, 2, 3, 4, 8, 9, 10, 16, 17, 25, 24]])
+EDGES = torch.tensor([[0, 1, 2, 3, 7, 8, 9, 15, 16, 20, 24],
+                      [1, 2, 3, 4, 8, 9, 10, 16, 17, 25, 24]])
 
 LAYERS = {
     "mha": lambda: MultiHeadAttention(D, H),
