@@ -211,13 +211,16 @@ def test_top_keys_equal_topk_of_the_dense_weights(name):
     assert (found.indices[0, 1, :, 4:6] == -1).all()  # padded queries: nothing
 
 
-def test_top_keys_ties_go_to_the_lower_key_index():
+@pytest.mark.parametrize("k", [3, 20])  # passes of max, and topk (k > 16)
+def test_top_keys_ties_go_to_the_lower_key_index(k):
     layer = MultiHeadAttention(D, H).eval()
+    tokens = Tokens(torch.randn(1, 25, D))
+    check_top(top_keys(layer, tokens, k=k), dense_weights(layer, tokens), real_of(tokens), k)
     torch.nn.init.zeros_(layer.q_proj.weight)
     torch.nn.init.zeros_(layer.q_proj.bias)  # every score 0: uniform weights, all tied
-    found = top_keys(layer, Tokens(torch.randn(1, 7, D)), k=3)
-    assert (found.indices == torch.tensor([0, 1, 2])).all()
-    torch.testing.assert_close(found.weights, torch.full_like(found.weights, 1 / 7))
+    found = top_keys(layer, tokens, k=k)
+    assert (found.indices == torch.arange(k)).all()
+    torch.testing.assert_close(found.weights, torch.full_like(found.weights, 1 / 25))
 
 
 def test_the_model_runs_as_it_would_without_it():
