@@ -175,6 +175,10 @@ class Session:
                 return "rows", iter(())
             slots = self._slots(record, call, record["inputs"][0])
             return "rows", views.band_tiles(record, slots)
+        if record.get("modifiers") and path not in ("local", "fused", "explicit", "chunked",
+                                                     "packed"):
+            raise Unsupported(f"score modifiers on the {path!r} kernel are not applied by "
+                              "attention_mass")
         if path == "neighborhood":
             return "rows", self._neighborhood(record, call)
         if path in ("edge", "edge-explicit") and "src" in record:
@@ -190,6 +194,7 @@ class Session:
                 q, k, record.get("mask"), self._slots(record, call, q),
                 is_causal=bool(record.get("is_causal")), scale=record.get("scale"),
                 block=block or 64, score_weight=record.get("score_weight"),
+                **views.modifiers_of(record),
             )
         raise Unsupported(f"the {path!r} kernel path is not known to attention_mass")
 

@@ -59,7 +59,7 @@ class Tally:
         q_tok, k_tok = tile.q_tok, tile.k_tok
         k_group = torch.where(k_tok >= 0, self.k_group[k_tok.clamp(min=0)], groups - 1)
         q_group = torch.where(q_tok >= 0, self.q_group[q_tok.clamp(min=0)], groups - 1)
-        if self.topk or tile.score_weight is not None:
+        if self.topk or tile.score_weight is not None or tile.softcap is not None:
             per_row = []
             for part, kg in zip(views.chunks(tile, SUM_ELEMENTS),
                                 views.split_slots(k_group, tile, SUM_ELEMENTS)):
@@ -133,6 +133,8 @@ def _tile_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
     (:func:`_group_sums`). In a fused sequence that is the few tiles at a border.
     """
     n, heads, rows, _ = tile.q.shape
+    if tile.sinks is not None:  # the sink takes a share of every row: score them all
+        return _group_sums(tile, k_group, groups)
     allowed, bias = tile.allowed, tile.bias
     ok = torch.ones(n, 1, 1, k_group.shape[1], dtype=torch.bool, device=k_group.device)
     if allowed is not None:
@@ -166,7 +168,7 @@ def _flash_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
     head width, which the CPU flash kernel needs); rows without keys give zeros."""
     q, k = tile.q, tile.k
     width = q.shape[-1]
-    if groups > width or q.dtype != torch.float32:  # half precision: float32 scores
+    if groups > width or q.dtype != torch.float32 or tile.sinks is not None:
         return _group_sums(tile, k_group, groups)
     values = F.pad(F.one_hot(k_group, groups).to(q.dtype), (0, width - groups))
     values = values[:, None].expand(-1, k.shape[1], -1, -1)
@@ -246,7 +248,10 @@ def _group_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
             add = blocked if add is None else add + blocked
         if add is not None:
             scores.add_(add)
-        torch._softmax(scores, -1, False, out=scores)
+        if tile.sinks is None:
+            torch._softmax(scores, -1, False, out=scores)
+        else:
+            views.softmax_rows(scores, None, None, tile.sinks)
         sums = torch.matmul(scores, onehot[n0:n1])
         if live is not None and bias is not None and allowed is not None:
             sums = torch.where(~torch.isneginf(add).all(dim=-1, keepdim=True), sums, 0.0)

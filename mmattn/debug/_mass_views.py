@@ -34,7 +34,10 @@ class Tile(NamedTuple):
     """Queries against candidate keys, as the kernel runs them.
 
     ``allowed`` (bool, True = may attend) and ``bias`` (added) broadcast to (n, h, r, j);
-    ``score_weight`` is set for additive (Bahdanau) scores instead of ``q kᵀ · scale``.
+    ``score_weight`` is set for additive (Bahdanau) scores instead of ``q kᵀ · scale``;
+    ``softcap`` caps the scores before the mask (``c · tanh(s / c)``) and ``sinks`` (h,) join
+    every row's softmax as a key of score ``σ_h`` whose weight is dropped (ALiBi, additive,
+    is in ``bias`` already: the kernels report their mask with it).
     """
 
     q: Tensor
@@ -45,6 +48,17 @@ class Tile(NamedTuple):
     q_tok: Tensor
     k_tok: Tensor
     score_weight: Tensor | None = None
+    softcap: float | None = None
+    sinks: Tensor | None = None
+
+
+def modifiers_of(record: dict) -> dict:
+    """The softcap and sinks a kernel report carries (its ``modifiers`` fact), as Tile
+    fields; ALiBi is folded into the reported mask by the kernels."""
+    mods = record.get("modifiers")
+    if not mods:
+        return {}
+    return {"softcap": mods.softcap, "sinks": mods.sinks}
 
 
 class Slots:
@@ -95,14 +109,20 @@ def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return rearrange(scores, "n k (g r) j -> n (k g) r j", g=groups)
 
 
-def softmax_rows(scores: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
+def softmax_rows(scores: Tensor, allowed: Tensor | None, bias: Tensor | None,
+                 sinks: Tensor | None = None) -> Tensor:
     """softmax over the last axis of ``scores + bias`` where ``allowed``, in place (``scores``
-    is a fresh buffer); rows without an allowed key give zeros (the kernels' dead-row rule)."""
+    is a fresh buffer), with a sink logit per head when given; rows without an allowed key
+    give zeros (the kernels' dead-row rule)."""
     scores = scores.contiguous()  # the in-place softmax needs a dense buffer
     if bias is not None:
         scores.add_(bias.to(scores.dtype))
     if allowed is not None:
         scores.masked_fill_(~allowed, float("-inf"))
+    if sinks is not None:  # exp(s - logaddexp(logsumexp(s), σ)): 0 for a dead row as well
+        total = torch.logaddexp(torch.logsumexp(scores, -1, keepdim=True),
+                                sinks.to(scores.dtype)[None, :, None, None])
+        return scores.sub_(total).exp_()
     dead = None
     if bias is not None or allowed is not None:
         dead = torch.isneginf(scores.amax(dim=-1, keepdim=True))
@@ -114,6 +134,13 @@ def softmax_rows(scores: Tensor, allowed: Tensor | None, bias: Tensor | None) ->
     return scores if dead is None else scores.masked_fill_(dead, 0.0)
 
 
+def cap(scores: Tensor, softcap: float | None) -> Tensor:
+    """``c · tanh(s / c)`` in place (unchanged without a softcap)."""
+    if softcap is None:
+        return scores
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
 def weights(tile: Tile) -> Tensor:
     """The exact (n, h, r, j) weights of a tile (float32, float64 for double inputs)."""
     if tile.score_weight is None:
@@ -123,7 +150,8 @@ def weights(tile: Tile) -> Tensor:
 
         acc = _acc(tile.q)
         scores = additive_scores(tile.q.to(acc), tile.k.to(acc), tile.score_weight.to(acc))
-    return softmax_rows(scores, tile.allowed, tile.bias)
+    return softmax_rows(cap(scores.contiguous(), tile.softcap), tile.allowed, tile.bias,
+                        tile.sinks)
 
 
 def split_mask(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
@@ -173,6 +201,7 @@ def chunks(tile: Tile, elements: int = TILE_ELEMENTS) -> Iterator[Tile]:
 def dense_tiles(
     q: Tensor, k: Tensor, mask: Tensor | None, slots: Slots, *, is_causal: bool = False,
     scale: float | None = None, block: int = 64, score_weight: Tensor | None = None,
+    softcap: float | None = None, sinks: Tensor | None = None,
 ) -> Iterator[Tile]:
     """Blocks of rows of ``softmax(q kᵀ · scale + mask)`` (or of additive scores).
 
@@ -201,7 +230,7 @@ def dense_tiles(
                 ok = causal if ok is None else ok & causal
             pos = torch.arange(r0, r1, device=q.device)[None]
             yield Tile(q[n0:n1, :, r0:r1], k[n0:n1], ok, _part(bias, n0, n1, r0, r1), scale,
-                       slots.query(slot, pos), k_tok, score_weight)
+                       slots.query(slot, pos), k_tok, score_weight, softcap, sinks)
 
 
 # ---------------------------------------------------------------------- local band
@@ -236,9 +265,10 @@ def band_tiles(record: dict, slots: Slots) -> Iterator[Tile]:
     q_tok = slots.query(item, torch.where(q_pos >= glob, q_pos, -1)[None])  # global rows: below
     k_tok = slots.key(item, k_pos[None])
     allowed, bias = split_mask(mask)
+    mods = modifiers_of(record)
     yield from chunks(Tile(qb, kb, allowed, bias, scale,
                            rearrange(q_tok, "b n s -> (b n) s"),
-                           rearrange(k_tok, "b n t -> (b n) t")))
+                           rearrange(k_tok, "b n t -> (b n) t"), **mods))
     if glob:  # the global query rows see every key
         cols = torch.arange(length, device=device)
         ok = None if not record["causal"] else (cols[None, :] <= cols[:glob, None])[None, None]
@@ -248,9 +278,22 @@ def band_tiles(record: dict, slots: Slots) -> Iterator[Tile]:
             ok = keyed if ok is None else ok & keyed
         else:
             bias = keyed
+        alibi = _global_alibi(record.get("modifiers"), glob, length, q)
+        if alibi is not None:
+            bias = alibi if bias is None else bias + alibi
         item = torch.arange(batch, device=device)[:, None]
         yield from chunks(Tile(q[:, :, :glob], k, ok, bias, scale,
-                               slots.query(item, cols[None, :glob]), slots.key(item, cols[None])))
+                               slots.query(item, cols[None, :glob]), slots.key(item, cols[None]),
+                               **mods))
+
+
+def _global_alibi(mods, glob: int, length: int, q: Tensor) -> Tensor | None:
+    """ALiBi of a band's global rows against every key, at the kernel's positions."""
+    if not mods or mods.slopes is None:
+        return None
+    rows = mods.q_pos[:, 0] if mods.q_pos is not None else torch.arange(length, device=q.device)
+    acc = _acc(q)
+    return mods.alibi(rows[:glob, None], rows[:, None], acc)[None]  # (1, h, g, l)
 
 
 # ---------------------------------------------------------------------- neighbourhood
