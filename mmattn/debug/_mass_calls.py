@@ -43,6 +43,25 @@ class Call:
     skip: str | None = None
 
 
+def _padded_form(packed: Layout, padded: Layout) -> bool:
+    """Whether ``padded`` (from a padded query) is the unpacked form of ``packed``."""
+    return (packed.batch, packed.length) == (padded.batch, padded.length) and bool(
+        torch.equal(padded.offsets.cpu(), torch.arange(padded.batch + 1) * padded.length))
+
+
+def _as_padded(packed: Layout, groups):
+    """The padded layout of packed tokens (item b's tokens first in row b), and their groups
+    moved there."""
+    real = torch.arange(packed.length, device=packed.pos.device) < packed.lengths[:, None]
+    layout = Layout.padded(packed.batch, packed.length, real, packed.pos.device)
+    if groups is None:
+        return layout, None
+    names, group = groups
+    moved = torch.full_like(layout.pos, -1)
+    moved[packed.item * packed.length + packed.pos] = group
+    return layout, (names, moved)
+
+
 def _first_tokens(args: tuple, kwargs: dict) -> Tokens | None:
     for value in (*args, *kwargs.values()):
         if isinstance(value, Tokens):
@@ -105,6 +124,13 @@ class Session:
         if tokens is not None:
             layout = self._layout(tokens)
             groups = self._groups(tokens, layout)
+        else:  # packed Tokens a block runs padded (a pattern's block-sparse kernel)
+            tokens = next((t for t in reversed(self.tokens) if t is not None and t.is_packed
+                           and _padded_form(self._layout(t), layout)), None)
+            if tokens is not None:
+                packed = self._layout(tokens)
+                found = self._groups(tokens, packed)
+                layout, groups = _as_padded(packed, found)
         if self.by is not None and groups is None:
             raise Unsupported("its Tokens carry no modality facts (meta['spans'] or "
                               "meta['modality_ids'] with meta['modalities'])")
@@ -181,6 +207,12 @@ class Session:
                               "attention_mass")
         if path == "neighborhood":
             return "rows", self._neighborhood(record, call)
+        if path == "block-sparse" and "plan" in record:
+            layout = call.layout
+            if not torch.equal(layout.offsets.cpu(),
+                               torch.arange(layout.batch + 1) * layout.length):
+                raise Unsupported("a block-sparse call on packed tokens")
+            return "rows", views.sparse_tiles(record)
         if path in ("edge", "edge-explicit") and "src" in record:
             w = views.edge_weights(q, k, record["src"], record["dst"], record.get("bias"),
                                    record.get("scale"))

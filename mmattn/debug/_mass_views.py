@@ -347,6 +347,52 @@ def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
     return (ok & keyed, None) if keyed.dtype == torch.bool else (ok, keyed)
 
 
+# ---------------------------------------------------------------------- block-sparse
+
+
+def sparse_tiles(record: dict) -> Iterator[Tile]:
+    """A block-sparse call's buckets: query tiles against their non-empty key tiles, with
+    the tiles' exact masks, the call's key mask and causal rule; token ids ``b·L + i``.
+
+    Shape:
+        - q: (b, h, l, e); k: (b, k, l, e); key_mask: (b, l) bool or float, or None
+    """
+    q, k, plan, key_mask = record["q"], record["k"], record["plan"], record.get("key_mask")
+    batch, heads, length, width = q.shape
+    scale = _scale(width, record.get("scale"))
+    padded, s = plan.padded, plan.block
+
+    def rows(x: Tensor) -> Tensor:  # (b, h, l, e) -> (b padded, h, e)
+        x = rearrange(x, "b h l e -> b l h e")
+        return torch.cat([x, x.new_zeros(batch, padded - length, *x.shape[2:])], 1).flatten(0, 1)
+
+    def token(flat: Tensor) -> Tensor:
+        pos = flat % padded
+        return torch.where(pos < length, flat // padded * length + pos, -1)
+
+    q2, k2 = rows(q), rows(k)
+    keyed = None
+    if key_mask is not None:
+        fill = False if key_mask.dtype == torch.bool else float("-inf")
+        keyed = torch.cat([key_mask, key_mask.new_full((batch, padded - length), fill)], 1)
+        keyed = keyed.reshape(-1)
+    for bucket in plan.buckets:
+        tiles = bucket.tiles
+        q_rows, k_rows = bucket.q_rows, bucket.k_rows
+        allowed, bias = bucket.allowed, None
+        if keyed is not None:
+            key = keyed[k_rows].view(tiles, 1, 1, -1)
+            allowed, bias = (allowed & key, None) if key.dtype == torch.bool else (allowed, key)
+        if record.get("is_causal"):
+            allowed = allowed & ((k_rows % padded).view(tiles, 1, 1, -1)
+                                 <= (q_rows % padded).view(tiles, 1, -1, 1))
+        yield from chunks(Tile(
+            rearrange(q2[q_rows], "(n s) h e -> n h s e", s=s),
+            rearrange(k2[k_rows], "(n t) k e -> n k t e", n=tiles), allowed, bias, scale,
+            token(q_rows).view(tiles, s), token(k_rows).view(tiles, -1),
+            **modifiers_of(record)))
+
+
 # ---------------------------------------------------------------------- edges
 
 
