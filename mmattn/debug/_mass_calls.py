@@ -24,11 +24,11 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn._helpers import exporting
+from mmattn._jagged import contiguous_parts, is_jagged
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.debug import _mass_views as views
 from mmattn.debug._mass_groups import Layout, token_groups
 from mmattn.debug._mass_tally import Tally, Unsupported
-from mmattn.kernels.packed import contiguous_parts, is_jagged
 from mmattn.tokens import Tokens
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmattn.kernels.packed import contiguous_parts, owners
+from mmattn._jagged import contiguous_parts, owners
 from mmattn.tokens import Tokens
 
 BY = ("modality", "segment")
