@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/neighborhood.py --write-docs
 	$(PY) benchmarks/export.py --write-docs
 	$(PY) benchmarks/streaming.py --write-docs
+	$(PY) benchmarks/mass.py --write-docs
 
 # The docs tools come with the dev extra; --strict turns every warning (a broken link, a
 # docstring mkdocstrings cannot read) into a failure. The site carries its own MathJax

@@ -18,6 +18,7 @@ PICTURES = (
     "text_recall_attention.png",
     "audio_dtmf_attention.png",
     "image_canvas_window.png",
+    "multimodal_match_mass.png",
 )
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 

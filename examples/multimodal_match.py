@@ -11,6 +11,11 @@ tokens. Two auxiliary heads (the digit from the image span, the key from the aud
 found through ``meta["spans"]``) speed up training; the reported accuracy is the match
 head's, on held-out images and fresh clips. Baseline: chance (50 %).
 
+After training, ``mmattn.debug.attention_mass`` measures, in every layer, how much the image
+patches attend to the audio frames and back (computed tile by tile, no (L, L) map); the
+table is printed and drawn by ``mmattn.viz.modality_mass`` into
+``multimodal_match_mass.png``.
+
 Run: ``python -m examples.multimodal_match``
 """
 
@@ -27,6 +32,7 @@ from examples._dtmf import synthesize
 from examples.audio_dtmf import audio_adapter
 from examples.image_digits import load_digits_split
 from mmattn import MultiModalEncoder, Tokens, masked_mean
+from mmattn.debug import attention_mass
 
 EXAMPLE = "multimodal_match"
 
@@ -71,6 +77,19 @@ class MatchModel(nn.Module):
         digit = self.digit_head(masked_mean(_span(fused, "image")))
         key = self.key_head(masked_mean(_span(fused, "audio")))
         return match, digit, key
+
+
+def save_mass_picture(model: MatchModel, inputs: tuple, path: Path) -> None:
+    """Print and draw how much each modality attends to the other, layer by layer."""
+    from mmattn.viz import modality_mass
+
+    with torch.no_grad():
+        mass = attention_mass(model, *inputs)
+    print("attention mass (rows: query modality, columns: key modality; mean over heads)")
+    print(mass)
+    modality_mass(mass, title="share of attention, query modality -> key modality",
+                  path=path)
+    print(f"attention mass picture: {path}")
 
 
 def run(
@@ -127,6 +146,9 @@ def run(
             correct += int((model(*inputs)[0].argmax(-1) == match).sum())
     acc = correct / n_test
     print(f"held-out match accuracy {acc:.3f} on {n_test} image/tone pairs")
+    out_dir = Path(out_dir or Path("out") / EXAMPLE)
+    save_mass_picture(model, batch(test, torch.arange(min(n_test, 64)))[0],
+                      out_dir / "multimodal_match_mass.png")
     return [
         Result(EXAMPLE, "digit image + DTMF tone: same key?", "test accuracy", acc, 0.5,
                "chance", 0.90, timer.seconds)

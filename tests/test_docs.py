@@ -23,6 +23,7 @@ PAGES = [
     "qkv_walkthrough.md",
     "qkv_walkthrough.zh.md",
     "quickstart.md",
+    "quickstart.zh.md",
     "concepts.md",
     "custom_adapter.md",
     "debugging.md",
@@ -121,6 +122,20 @@ def test_chinese_walkthrough_runs_the_same_code_as_the_english():
     assert len(re.findall(r"[\u4e00-\u9fff]", text)) > 1000  # written in Chinese
     headings = [h for h in re.findall(r"^## (\d+)\.", text, re.M)]
     assert headings == [str(n) for n in range(1, 9)]
+
+
+def test_chinese_quickstart_is_the_english_one_in_chinese():
+    english, chinese = blocks("quickstart.md"), blocks("quickstart.zh.md")
+    assert [(lang, _code_only(c)) for lang, c in chinese if lang != "bash"] == [
+        (lang, _code_only(c)) for lang, c in english if lang != "bash"
+    ]  # the same code and the same outputs shown, comments translated
+    text = (DOCS / "quickstart.zh.md").read_text("utf-8")
+    assert len(re.findall(r"[\u4e00-\u9fff]", text)) > 400  # written in Chinese
+    sections = [len(re.findall(r"^## ", (DOCS / page).read_text("utf-8"), re.M))
+                for page in ("quickstart.md", "quickstart.zh.md")]
+    assert sections[0] == sections[1]
+    nav = (DOCS.parent / "mkdocs.yml").read_text("utf-8")
+    assert "quickstart.zh.md" in nav
 
 
 @pytest.mark.parametrize("page", ["qkv_walkthrough.md", "qkv_walkthrough.zh.md"])

@@ -27,6 +27,7 @@ from mmattn.kernels.packed import (
     jagged_sdpa,
     layout,
     report,
+    report_facts,
 )
 
 
@@ -179,17 +180,18 @@ def attend_values(
             if _kernel.reporting():
                 report("buckets", fallback if index == 0 else [], q=qb, k=kb, v=vb, mask=mask,
                        is_causal=causal, dropout_p=dropout_p, groups=groups, bucket=index,
-                       buckets=sizes, **facts)
+                       buckets=sizes, items=bucket.items, **facts)
             # only the user's mask may leave a row without keys
             out = _kernel.sdpa(
                 qb, kb, vb, mask, dropout_p=dropout_p, is_causal=causal, groups=groups,
                 dead_rows=attn_mask is not None,
             )
         else:
-            out, w = module._attention(
-                qb, kb, vb, mask, is_causal=causal, dropout_p=dropout_p,
-                need_weights=need_weights,
-            )
+            with report_facts(bucket=index, items=bucket.items, **facts):
+                out, w = module._attention(
+                    qb, kb, vb, mask, is_causal=causal, dropout_p=dropout_p,
+                    need_weights=need_weights,
+                )
             if w is not None:
                 bucket_weights.append((index, w))
         outs.append(rearrange(out, "n h i e -> (n i) (h e)"))

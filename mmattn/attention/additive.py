@@ -187,7 +187,7 @@ class AdditiveAttention(MultiHeadAttention):
             _kernel.report(
                 "explicit" if explicit else "chunked", reasons, q=q, k=k, v=v,
                 mask=with_bias(mask, bias), dropout_p=dropout_p, is_causal=is_causal, scale=None,
-                modifiers=modifiers,
+                modifiers=modifiers, score_weight=self.score_weight,
             )
         if mask is not None:
             k, v = _kernel.clear_dead_keys(mask, k, v)

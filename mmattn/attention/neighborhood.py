@@ -30,7 +30,7 @@ from mmattn.attention._neighborhood_geometry import (
 from mmattn.attention._packed_checks import check_packed, check_values
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels._neighborhood_plan import build_plan
-from mmattn.kernels.dense import attend
+from mmattn.kernels.dense import attend, explicit_reasons, report, reporting
 from mmattn.kernels.neighborhood import (
     choose_tiles,
     neighborhood_attend,
@@ -276,9 +276,12 @@ class NeighborhoodAttention(MultiHeadAttention):
             plan = build_plan(
                 qv.shape[0], items, self.kernel_size, self.dilation, tiles, qv.device
             )
+            dropout_p = self.dropout if self.training else 0.0
+            if reporting():  # packed rows (the kernel reports the padded form itself)
+                report("neighborhood", explicit_reasons(need_weights), q=q, k=k, v=v,
+                       mask=None, dropout_p=dropout_p, plan=plan)
             out, weights = neighborhood_rows(
-                q, k, v, plan, dropout_p=self.dropout if self.training else 0.0,
-                need_weights=need_weights,
+                q, k, v, plan, dropout_p=dropout_p, need_weights=need_weights
             )
         else:
             out = q.new_zeros(0, self.num_heads, self.head_dim)

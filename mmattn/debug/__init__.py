@@ -18,7 +18,11 @@ exactly as it was:
   kept, while its caller still gets what it asked for;
 - :func:`record_qkv_grad_norms` — tensor hooks on the outputs of every ``q_proj`` / ``k_proj``
   / ``v_proj`` record the norm of their gradient in the backward pass;
-- :func:`grad_norm_hook` — the same for a single tensor (the tutorial's ``Q.register_hook``).
+- :func:`grad_norm_hook` — the same for a single tensor (the tutorial's ``Q.register_hook``);
+- :func:`attention_mass` — for every attention call, how much the queries of each modality
+  (or segment) attend to the keys of each, computed tile by tile on every kernel;
+- :func:`top_keys` — the k keys each query attends most, with their weights, without an
+  (L, L) map.
 """
 
 from mmattn.debug.explain import AttentionCall, Explanation, explain
@@ -30,15 +34,20 @@ from mmattn.debug.hooks import (
     record_qkv_grad_norms,
     trace_shapes,
 )
+from mmattn.debug.mass import AttentionMass, TopKeys, attention_mass, top_keys
 
 __all__ = [
     "AttentionCall",
+    "AttentionMass",
     "Explanation",
     "ShapeRecord",
+    "TopKeys",
+    "attention_mass",
     "debug_shape",
     "explain",
     "grad_norm_hook",
     "record_attention",
     "record_qkv_grad_norms",
+    "top_keys",
     "trace_shapes",
 ]

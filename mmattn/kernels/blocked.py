@@ -209,7 +209,8 @@ def local_attend(
         block_mods = mods.with_terms(bias if alibi else None)
     if _kernel.reporting():  # the call that runs: per-block tensors and the band mask
         _kernel.report("local", reasons, q=qb, k=kb, v=vb,
-                       mask=with_bias(mask, bias) if alibi else mask, **facts)
+                       mask=with_bias(mask, bias) if alibi else mask,
+                       inputs=(q, k, key_mask), **facts)
     shared = None
     if alibi and not glob and isinstance(length, int) and not exporting():
         dirty = None

@@ -73,6 +73,7 @@ def fused_attn(enable: bool) -> Iterator[None]:
 
 Listener = Callable[[dict[str, Any]], None]
 _LISTENERS: list[Listener] = []
+_FACTS: list[dict[str, Any]] = [{}]  # facts every report inside a call adds (packed.report_facts)
 
 
 def add_listener(listener: Listener) -> Callable[[], None]:
@@ -101,7 +102,7 @@ def reporting() -> bool:
 
 def report(path: str, reasons: list[str] | None = None, **facts: Any) -> None:
     """Tell every listener that an attention call took ``path``, and why (see add_listener)."""
-    record = {"path": path, "reasons": list(reasons or []), **facts}
+    record = {"path": path, "reasons": list(reasons or []), **_FACTS[-1], **facts}
     for listener in list(_LISTENERS):
         listener(record)
 

@@ -296,6 +296,7 @@ def neighborhood_attend(
             "neighborhood", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v,
             mask=key_mask, dropout_p=dropout_p, is_causal=False, scale=scale,
             kernel_size=kernel_size, dilation=dilation, num_global_tokens=num_global_tokens,
+            grid=grid, grid_start=grid_start,
         )
     if traced:
         if need_weights:

@@ -23,9 +23,10 @@ keys run torch's own jagged SDPA (flash / memory-efficient varlen kernels) inste
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -222,3 +223,14 @@ def report(path: str, reasons: list[str], **facts) -> None:
     (:func:`mmattn.kernels.dense.add_listener`)."""
     if _kernel.reporting():
         _kernel.report("packed", reasons, kernel=path, **facts)
+
+
+@contextlib.contextmanager
+def report_facts(**facts) -> Iterator[None]:
+    """Add ``facts`` to every path report made inside the block (the bucket a layer's own
+    kernel runs on, for the listeners that map its rows back to the items)."""
+    _kernel._FACTS.append({**_kernel._FACTS[-1], **facts})
+    try:
+        yield
+    finally:
+        _kernel._FACTS.pop()

@@ -304,7 +304,8 @@ def edge_attend(
     explicit = need_weights or not use_fused_attn()
     if reporting():
         report("edge-explicit" if explicit else "edge", explicit_reasons(need_weights),
-               q=q, k=k, v=v, num_edges=src.shape[0], dropout_p=dropout_p)
+               q=q, k=k, v=v, num_edges=src.shape[0], dropout_p=dropout_p, src=src, dst=dst,
+               bias=bias, scale=scale)
     scale = _scale(q, scale)
     if explicit:
         out, weights = edge_attend_explicit(

@@ -1,5 +1,6 @@
 """Pictures of attention: heatmaps with token labels, maps over image patches, spectrogram
-frames and graph nodes, per-head grids, and one patch's neighbourhood window.
+frames and graph nodes, per-head grids, one patch's neighbourhood window, and the
+modality-to-modality attention mass of every layer.
 
 Axis key: ``h`` heads, ``i`` query length, ``j`` key length, ``r``/``c`` patch-grid rows and
 columns, ``m`` mel bins, ``n`` graph nodes.
@@ -27,6 +28,7 @@ except ImportError as error:  # pragma: no cover - exercised by hiding matplotli
 
 from mmattn.viz._common import label_font
 from mmattn.viz.maps import attention_heatmap, head_grid
+from mmattn.viz.mass import modality_mass
 from mmattn.viz.modalities import audio_attention, graph_attention, image_attention
 from mmattn.viz.neighborhood import neighborhood_attention
 
@@ -37,5 +39,6 @@ __all__ = [
     "head_grid",
     "image_attention",
     "label_font",
+    "modality_mass",
     "neighborhood_attention",
 ]

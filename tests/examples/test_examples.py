@@ -22,6 +22,7 @@ PICTURES = {
     "audio_dtmf": ["audio_dtmf_attention.png"],
     "graph_sbm": ["graph_sbm_attention.png"],
     "text_recall": ["text_recall_attention.png"],
+    "multimodal_match": ["multimodal_match_mass.png"],
 }
 
 

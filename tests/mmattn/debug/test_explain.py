@@ -255,3 +255,12 @@ def test_torch_debug_messages_are_caught_in_words():
     for _ in range(2):
         messages = _torch_debug_messages(torch.backends.cuda.can_use_flash_attention, params)
         assert any("cuda" in m.lower() for m in messages), messages
+
+
+def test_packed_neighbourhood_calls_are_reported():
+    from mmattn import NeighborhoodAttention
+
+    attn = NeighborhoodAttention(16, 4, kernel_size=3).eval()
+    tokens = Tokens.from_packed(torch.randn(4 + 9, 16), torch.tensor([0, 4, 13]))
+    report = explain(attn, tokens.x, grid=[(2, 2), (3, 3)])
+    assert [(call.path, call.q) for call in report] == [("neighborhood", (13, 4, 4))]

@@ -191,3 +191,34 @@ def test_neighborhood_window_picture(tmp_path):
         viz.neighborhood_attention(weights[0, 0], torch.rand(10, 12), (5, 6), 30)
     with pytest.raises(ValueError, match="do not fit the patch grid"):
         viz.neighborhood_attention(torch.rand(7), torch.rand(10, 12), (5, 6), 0)
+
+
+def test_modality_mass_picture_has_a_panel_per_layer_named_by_modality(tmp_path):
+    from mmattn import Encoder
+    from mmattn.debug import attention_mass
+    from mmattn.viz._common import _drawable
+
+    parts = {name: Tokens(torch.randn(2, n, 16)) for name, n in
+             (("text", 5), ("image", 4), ("音频", 3))}
+    mass = attention_mass(Encoder(16, depth=3, num_heads=2).eval(), Tokens.cat(parts))
+    path = tmp_path / "mass.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the once-a-process "no CJK font" warning
+        fig = viz.modality_mass(mass, path=path)
+        names = ["text", "image", _drawable("音频")]
+    check_picture(fig, path)
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert [ax.get_title() for ax in panels] == [f"blocks.{c}.attn" for c in range(3)]
+    for c, ax in enumerate(panels):
+        assert [t.get_text() for t in ax.get_xticklabels()] == names
+        assert [t.get_text() for t in ax.get_yticklabels()] == names
+        image = torch.as_tensor(ax.get_images()[0].get_array())
+        torch.testing.assert_close(image, mass.table[c].mean(0))
+        assert ax.get_images()[0].get_clim() == (0.0, 1.0)  # one scale for every layer
+    one_head = viz.modality_mass(mass.table, ["a", "b", "c"], head=1)
+    image = torch.as_tensor(one_head.axes[0].get_images()[0].get_array())
+    torch.testing.assert_close(image, mass.table[0, 1])
+    with pytest.raises(ValueError, match="modalities has 2 labels but the map has 3 groups"):
+        viz.modality_mass(mass.table, ["a", "b"])
+    with pytest.raises(ValueError, match=r"head must be in \[0, 2\), got 2"):
+        viz.modality_mass(mass, head=2)

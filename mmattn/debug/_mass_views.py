@@ -1,0 +1,427 @@
+"""One kernel call as tiles of attention problems, read from its path report.
+
+Axis key: ``n`` slots (items of the call, or tiles), ``h`` query heads, ``k`` key heads, ``r``
+query rows of a tile, ``j`` key columns of a tile, ``e`` head width, ``E`` edges, ``t``
+flat token rows.
+
+Every kernel tells the path listeners (:func:`mmattn.kernels.dense.add_listener`) what it is
+about to run: its tensors and facts. A *view* turns one such report into :class:`Tile` s:
+queries (n, h, r, e) against candidate keys (n, k, j, e) with the kernel's own mask, and the
+token each row and column is (``-1``: no token — a padded row, an appended ``bias_k``/zero
+key, an empty slot, a row another tile answers). A local call's tiles are its own blocks and
+key slabs, a neighbourhood call's its plan's tiles, a dense call's blocks of rows; so a tile
+holds O(block · keys of a block) scores and no view ever forms an (L, L) tensor. Each query
+row is answered by exactly one tile of a call, so a consumer may add tiles up. Edge calls
+give their (E, h) weights instead (:func:`edge_weights`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+#: At most this many scores in one tile (blocks of rows are cut to fit).
+TILE_ELEMENTS = 1 << 22
+
+
+
+class Tile(NamedTuple):
+    """Queries against candidate keys, as the kernel runs them.
+
+    ``allowed`` (bool, True = may attend) and ``bias`` (added) broadcast to (n, h, r, j);
+    ``score_weight`` is set for additive (Bahdanau) scores instead of ``q kᵀ · scale``;
+    ``softcap`` caps the scores before the mask (``c · tanh(s / c)``) and ``sinks`` (h,) join
+    every row's softmax as a key of score ``σ_h`` whose weight is dropped (ALiBi, additive,
+    is in ``bias`` already: the kernels report their mask with it).
+    """
+
+    q: Tensor
+    k: Tensor
+    allowed: Tensor | None
+    bias: Tensor | None
+    scale: float
+    q_tok: Tensor
+    k_tok: Tensor
+    score_weight: Tensor | None = None
+    softcap: float | None = None
+    sinks: Tensor | None = None
+
+
+def modifiers_of(record: dict) -> dict:
+    """The softcap and sinks a kernel report carries (its ``modifiers`` fact), as Tile
+    fields; ALiBi is folded into the reported mask by the kernels."""
+    mods = record.get("modifiers")
+    if not mods:
+        return {}
+    return {"softcap": mods.softcap, "sinks": mods.sinks}
+
+
+class Slots:
+    """Token ids of (slot, position) coordinates: the items of a padded batch or a bucket.
+
+    Slot ``n`` has queries at token ids ``q_base[n] + i`` for ``i < q_len[n]`` and keys at
+    ``k_base[n] + j`` for ``j < k_len[n]``; other positions are no token (-1).
+    """
+
+    def __init__(self, q_base: Tensor, q_len: Tensor, k_base: Tensor, k_len: Tensor) -> None:
+        self.q_base, self.q_len, self.k_base, self.k_len = q_base, q_len, k_base, k_len
+
+    @staticmethod
+    def _ids(base: Tensor, length: Tensor, slot: Tensor, pos: Tensor) -> Tensor:
+        base, length = base[slot], length[slot]
+        return torch.where((pos >= 0) & (pos < length), base + pos, -1)
+
+    def query(self, slot: Tensor, pos: Tensor) -> Tensor:
+        return self._ids(self.q_base, self.q_len, slot, pos)
+
+    def key(self, slot: Tensor, pos: Tensor) -> Tensor:
+        return self._ids(self.k_base, self.k_len, slot, pos)
+
+
+# ---------------------------------------------------------------------- shared pieces
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _scale(width: int, scale: float | None) -> float:
+    if scale is not None:
+        return scale
+    return 1.0 / math.sqrt(width) if width else 1.0
+
+
+def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """q kᵀ · scale in float32 (float64 for double); k may have fewer heads (grouped queries).
+
+    Shape:
+        - q: (n, h, r, e); k: (n, k, j, e); returns (n, h, r, j)
+    """
+    acc = _acc(q)
+    groups = q.shape[1] // max(k.shape[1], 1)
+    qg = rearrange(q.to(acc), "n (k g) r e -> n k (g r) e", g=groups)
+    scores = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale
+    return rearrange(scores, "n k (g r) j -> n (k g) r j", g=groups)
+
+
+def softmax_rows(scores: Tensor, allowed: Tensor | None, bias: Tensor | None,
+                 sinks: Tensor | None = None) -> Tensor:
+    """softmax over the last axis of ``scores + bias`` where ``allowed``, in place (``scores``
+    is a fresh buffer), with a sink logit per head when given; rows without an allowed key
+    give zeros (the kernels' dead-row rule)."""
+    scores = scores.contiguous()  # the in-place softmax needs a dense buffer
+    if bias is not None:
+        scores.add_(bias.to(scores.dtype))
+    if allowed is not None:
+        scores.masked_fill_(~allowed, float("-inf"))
+    if sinks is not None:  # exp(s - logaddexp(logsumexp(s), σ)): 0 for a dead row as well
+        total = torch.logaddexp(torch.logsumexp(scores, -1, keepdim=True),
+                                sinks.to(scores.dtype)[None, :, None, None])
+        return scores.sub_(total).exp_()
+    dead = None
+    if bias is not None or allowed is not None:
+        dead = torch.isneginf(scores.amax(dim=-1, keepdim=True))
+        if bool(dead.any()):
+            scores.masked_fill_(dead, 0.0)
+        else:
+            dead = None
+    torch._softmax(scores, -1, False, out=scores)
+    return scores if dead is None else scores.masked_fill_(dead, 0.0)
+
+
+def cap(scores: Tensor, softcap: float | None) -> Tensor:
+    """``c · tanh(s / c)`` in place (unchanged without a softcap)."""
+    if softcap is None:
+        return scores
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def weights(tile: Tile) -> Tensor:
+    """The exact (n, h, r, j) weights of a tile (float32, float64 for double inputs)."""
+    if tile.score_weight is None:
+        scores = dot_scores(tile.q, tile.k, tile.scale)
+    else:
+        from mmattn.attention.additive import additive_scores
+
+        acc = _acc(tile.q)
+        scores = additive_scores(tile.q.to(acc), tile.k.to(acc), tile.score_weight.to(acc))
+    return softmax_rows(cap(scores.contiguous(), tile.softcap), tile.allowed, tile.bias,
+                        tile.sinks)
+
+
+def split_mask(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """An SDPA-direction mask as (allowed bool, additive bias), either None, 4-D."""
+    if mask is None:
+        return None, None
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return (mask, None) if mask.dtype == torch.bool else (None, mask)
+
+
+def _part(t: Tensor | None, n0: int, n1: int, r0: int = 0, r1: int | None = None):
+    """The (slots, rows) part of a 4-D mask that may broadcast along either."""
+    if t is None:
+        return None
+    t = t if t.shape[0] == 1 else t[n0:n1]
+    return t if t.shape[2] == 1 or r1 is None else t[:, :, r0:r1]
+
+
+def _step(tile: Tile, elements: int) -> int:
+    n, heads, rows, _ = tile.q.shape
+    return max(1, elements // max(1, heads * rows * tile.k.shape[2]))
+
+
+def split_slots(t: Tensor, tile: Tile, elements: int) -> tuple[Tensor, ...]:
+    """``t`` (one row per slot of ``tile``) cut as :func:`chunks` cuts the tile."""
+    return t.split(_step(tile, elements))
+
+
+def chunks(tile: Tile, elements: int = TILE_ELEMENTS) -> Iterator[Tile]:
+    """A tile cut along its slots so that each part holds at most ``elements`` scores."""
+    n = tile.q.shape[0]
+    step = _step(tile, elements)
+    if step >= n:
+        yield tile
+        return
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        yield tile._replace(
+            q=tile.q[n0:n1], k=tile.k[n0:n1], allowed=_part(tile.allowed, n0, n1),
+            bias=_part(tile.bias, n0, n1), q_tok=tile.q_tok[n0:n1], k_tok=tile.k_tok[n0:n1],
+        )
+
+
+# ---------------------------------------------------------------------- dense
+
+
+def dense_tiles(
+    q: Tensor, k: Tensor, mask: Tensor | None, slots: Slots, *, is_causal: bool = False,
+    scale: float | None = None, block: int = 64, score_weight: Tensor | None = None,
+    softcap: float | None = None, sinks: Tensor | None = None,
+) -> Iterator[Tile]:
+    """Blocks of rows of ``softmax(q kᵀ · scale + mask)`` (or of additive scores).
+
+    Shape:
+        - q: (n, h, i, e); k: (n, k, j, e); mask broadcastable to (n, h, i, j)
+    """
+    n_all, heads, length, width = q.shape
+    keys = k.shape[2]
+    if n_all == 0 or length == 0 or keys == 0:
+        return
+    scale = _scale(width, scale)
+    allowed, bias = split_mask(mask)
+    extra = width if score_weight is not None else 1  # additive scores hold (r, j, e)
+    rows = max(1, min(block, TILE_ELEMENTS // max(1, heads * keys * extra)))
+    step = max(1, TILE_ELEMENTS // max(1, heads * rows * keys * extra))
+    cols = torch.arange(keys, device=q.device)
+    for n0 in range(0, n_all, step):
+        n1 = min(n_all, n0 + step)
+        slot = torch.arange(n0, n1, device=q.device)[:, None]
+        k_tok = slots.key(slot, cols[None])
+        for r0 in range(0, length, rows):
+            r1 = min(length, r0 + rows)
+            ok = _part(allowed, n0, n1, r0, r1)
+            if is_causal:
+                causal = cols[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
+                ok = causal if ok is None else ok & causal
+            pos = torch.arange(r0, r1, device=q.device)[None]
+            yield Tile(q[n0:n1, :, r0:r1], k[n0:n1], ok, _part(bias, n0, n1, r0, r1), scale,
+                       slots.query(slot, pos), k_tok, score_weight, softcap, sinks)
+
+
+# ---------------------------------------------------------------------- local band
+
+
+def band_tiles(record: dict, slots: Slots) -> Iterator[Tile]:
+    """A local call's own blocks against their key slabs (the tensors it reports), and its
+    global query rows against every key.
+
+    The kernel cuts the sequence into blocks of s queries; block m attends the slab of keys
+    ``[m·s - w, m·s + s + w)`` (``w`` the window clamped to the sequence; no right part
+    when causal), then the global keys.
+    """
+    qb, kb, mask = record["q"], record["k"], record["mask"]
+    q, k, key_mask = record["inputs"]
+    batch, _, length, width = q.shape
+    scale = _scale(width, record.get("scale"))
+    if batch == 0 or length == 0:
+        return
+    window = min(record["window_size"], length - 1)
+    glob = min(record["num_global_tokens"], length)
+    block = qb.shape[2]
+    blocks = qb.shape[0] // batch
+    left, right = window, (0 if record["causal"] else window)
+    slab = block + left + right
+    device = q.device
+    m = torch.arange(blocks, device=device)[:, None]
+    q_pos = m * block + torch.arange(block, device=device)  # (n, s)
+    k_pos = m * block - left + torch.arange(slab, device=device)  # (n, slab)
+    k_pos = torch.cat([k_pos, torch.arange(glob, device=device).expand(blocks, -1)], dim=1)
+    item = torch.arange(batch, device=device)[:, None, None]
+    q_tok = slots.query(item, torch.where(q_pos >= glob, q_pos, -1)[None])  # global rows: below
+    k_tok = slots.key(item, k_pos[None])
+    allowed, bias = split_mask(mask)
+    mods = modifiers_of(record)
+    yield from chunks(Tile(qb, kb, allowed, bias, scale,
+                           rearrange(q_tok, "b n s -> (b n) s"),
+                           rearrange(k_tok, "b n t -> (b n) t"), **mods))
+    if glob:  # the global query rows see every key
+        cols = torch.arange(length, device=device)
+        ok = None if not record["causal"] else (cols[None, :] <= cols[:glob, None])[None, None]
+        keyed = None if key_mask is None else rearrange(key_mask, "b j -> b 1 1 j")
+        bias = None
+        if keyed is not None and keyed.dtype == torch.bool:
+            ok = keyed if ok is None else ok & keyed
+        else:
+            bias = keyed
+        alibi = _global_alibi(record.get("modifiers"), glob, length, q)
+        if alibi is not None:
+            bias = alibi if bias is None else bias + alibi
+        item = torch.arange(batch, device=device)[:, None]
+        yield from chunks(Tile(q[:, :, :glob], k, ok, bias, scale,
+                               slots.query(item, cols[None, :glob]), slots.key(item, cols[None]),
+                               **mods))
+
+
+def _global_alibi(mods, glob: int, length: int, q: Tensor) -> Tensor | None:
+    """ALiBi of a band's global rows against every key, at the kernel's positions."""
+    if not mods or mods.slopes is None:
+        return None
+    rows = mods.q_pos[:, 0] if mods.q_pos is not None else torch.arange(length, device=q.device)
+    acc = _acc(q)
+    return mods.alibi(rows[:glob, None], rows[:, None], acc)[None]  # (1, h, g, l)
+
+
+# ---------------------------------------------------------------------- neighbourhood
+
+
+def plan_tiles(
+    q: Tensor, k: Tensor, key_mask: Tensor | None, plan, *, scale: float | None,
+) -> Iterator[Tile]:
+    """The tiles of a neighbourhood plan on flat rows; token ids are the rows.
+
+    Shape:
+        - q: (t, h, e); k: (t, k, e); key_mask: (t,) bool or float, or None
+    """
+    rows, heads, width = q.shape
+    scale = _scale(width, scale)
+    zero = rows
+    qz = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+    kz = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
+    km = None
+    if key_mask is not None:
+        fill = False if key_mask.dtype == torch.bool else float("-inf")
+        km = torch.cat([key_mask, key_mask.new_full((1,), fill)])
+    n, s, t = plan.allowed.shape
+    step = max(1, TILE_ELEMENTS // max(1, heads * s * t))
+    pick = torch.cat([plan.pick, plan.pick.new_full((1,), -1)])
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        qi = plan.q_index[n0 * s:n1 * s]
+        ki = plan.k_index[n0 * t:n1 * t]
+        ok, bias = _key_rule(plan.allowed[n0:n1][:, None], km, ki, t)
+        slot_id = torch.arange(n0 * s, n1 * s, device=q.device)
+        picked = (qi < zero) & (pick[qi] == slot_id)  # a row answered by its first tile
+        yield Tile(rearrange(qz[qi], "(n s) h e -> n h s e", s=s),
+                   rearrange(kz[ki], "(n t) k e -> n k t e", t=t), ok, bias, scale,
+                   torch.where(picked, qi, -1).view(n1 - n0, s),
+                   torch.where(ki < zero, ki, -1).view(n1 - n0, t))
+    for b in range(plan.gq_index.shape[0]):  # global rows attend every key of their item
+        gq, gk = plan.gq_index[b:b + 1], plan.gk_index[b:b + 1]
+        valid = plan.gk_valid[b:b + 1]
+        ok, bias = _key_rule(valid[:, None, None], km, gk.reshape(-1), gk.shape[1])
+        yield Tile(rearrange(qz[gq], "n g h e -> n h g e"),
+                   rearrange(kz[gk], "n j k e -> n k j e"), ok, bias, scale,
+                   torch.where(gq < zero, gq, -1), torch.where(valid, gk, -1))
+
+
+def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
+    """A tile's pattern with the gathered key mask: (allowed, bias)."""
+    if km is None:
+        return ok, None
+    keyed = rearrange(km[index], "(n t) -> n 1 1 t", t=width)
+    return (ok & keyed, None) if keyed.dtype == torch.bool else (ok, keyed)
+
+
+# ---------------------------------------------------------------------- block-sparse
+
+
+def sparse_tiles(record: dict) -> Iterator[Tile]:
+    """A block-sparse call's buckets: query tiles against their non-empty key tiles, with
+    the tiles' exact masks, the call's key mask and causal rule; token ids ``b·L + i``.
+
+    Shape:
+        - q: (b, h, l, e); k: (b, k, l, e); key_mask: (b, l) bool or float, or None
+    """
+    q, k, plan, key_mask = record["q"], record["k"], record["plan"], record.get("key_mask")
+    batch, heads, length, width = q.shape
+    scale = _scale(width, record.get("scale"))
+    padded, s = plan.padded, plan.block
+
+    def rows(x: Tensor) -> Tensor:  # (b, h, l, e) -> (b padded, h, e)
+        x = rearrange(x, "b h l e -> b l h e")
+        return torch.cat([x, x.new_zeros(batch, padded - length, *x.shape[2:])], 1).flatten(0, 1)
+
+    def token(flat: Tensor) -> Tensor:
+        pos = flat % padded
+        return torch.where(pos < length, flat // padded * length + pos, -1)
+
+    q2, k2 = rows(q), rows(k)
+    keyed = None
+    if key_mask is not None:
+        fill = False if key_mask.dtype == torch.bool else float("-inf")
+        keyed = torch.cat([key_mask, key_mask.new_full((batch, padded - length), fill)], 1)
+        keyed = keyed.reshape(-1)
+    for bucket in plan.buckets:
+        tiles = bucket.tiles
+        q_rows, k_rows = bucket.q_rows, bucket.k_rows
+        allowed, bias = bucket.allowed, None
+        if keyed is not None:
+            key = keyed[k_rows].view(tiles, 1, 1, -1)
+            allowed, bias = (allowed & key, None) if key.dtype == torch.bool else (allowed, key)
+        if record.get("is_causal"):
+            allowed = allowed & ((k_rows % padded).view(tiles, 1, 1, -1)
+                                 <= (q_rows % padded).view(tiles, 1, -1, 1))
+        yield from chunks(Tile(
+            rearrange(q2[q_rows], "(n s) h e -> n h s e", s=s),
+            rearrange(k2[k_rows], "(n t) k e -> n k t e", n=tiles), allowed, bias, scale,
+            token(q_rows).view(tiles, s), token(k_rows).view(tiles, -1),
+            **modifiers_of(record)))
+
+
+# ---------------------------------------------------------------------- edges
+
+
+def edge_weights(
+    q: Tensor, k: Tensor, src: Tensor, dst: Tensor, bias: Tensor | None, scale: float | None,
+) -> Tensor:
+    """The (E, h) weights of attention along edges: a softmax over each query's edges.
+
+    Shape:
+        - q: (t_q, h, e); k: (t_k, k, e); src, dst: (E,); bias: (E, h)
+    """
+    heads, width = q.shape[1], q.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(width) if width else 1.0
+    acc = _acc(q)
+    groups = heads // max(k.shape[1], 1)
+    step = max(1, TILE_ELEMENTS // max(1, heads * width))
+    parts = []
+    for e0 in range(0, src.shape[0], step):
+        qs = q[dst[e0:e0 + step]].to(acc)
+        ks = k[src[e0:e0 + step]].to(acc).repeat_interleave(groups, dim=1)
+        parts.append((qs * ks).sum(-1) * scale)
+    scores = torch.cat(parts) if parts else q.new_zeros(0, heads, dtype=acc)
+    if bias is not None:
+        scores = scores + bias.to(acc)
+    rows = q.shape[0]
+    index = dst[:, None].expand_as(scores)
+    peak = scores.new_full((rows, heads), float("-inf")).scatter_reduce(0, index, scores, "amax")
+    peak = torch.where(torch.isneginf(peak), 0.0, peak)
+    p = torch.exp(scores - peak[dst])
+    total = p.new_zeros(rows, heads).index_add_(0, dst, p)
+    return p / torch.where(total > 0, total, 1.0)[dst]
