@@ -22,6 +22,7 @@ from torch import Tensor
 from mmattn._helpers import default, exporting
 from mmattn.attention import _edges
 from mmattn.attention._fx import fx_leaf
+from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
 from mmattn.kernels.segment import edge_attend
@@ -102,6 +103,7 @@ class EdgeAttention(MultiHeadAttention):
         "same, and its to_torch() works"
     )
     cache_kinds = ()
+    takes_sparse_mask = False  # the edges are the mask (attention/_sparse.py)
 
     def __init__(
         self,
@@ -183,6 +185,7 @@ class EdgeAttention(MultiHeadAttention):
                 "same weights and attn_mask=adapters.neighbourhood_mask(...) as an input "
                 "instead (docs/deploy.md)"
             )
+        reject_sparse_mask(self, attn_mask)  # TypeError naming attn_mask
         _check_no_mask(attn_mask, is_causal)
         self_attention = key is None or key is query
         key = default(key, query)

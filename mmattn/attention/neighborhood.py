@@ -28,6 +28,7 @@ from mmattn.attention._neighborhood_geometry import (
     grid_from_meta,
 )
 from mmattn.attention._packed_checks import check_packed, check_values
+from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels._neighborhood_plan import build_plan
 from mmattn.kernels.dense import attend, explicit_reasons, report, reporting
@@ -196,6 +197,7 @@ class NeighborhoodAttention(MultiHeadAttention):
         ``grid`` is required (keyword-only); ``grid_start`` (default ``num_global_tokens``)
         is the index of the grid's first token, and with it every other token is global.
         """
+        reject_sparse_mask(self, attn_mask)  # TypeError naming attn_mask (attention/_sparse.py)
         _check_not_causal(is_causal)
         if is_jagged(query) or is_jagged(key) or is_jagged(value):
             key = default(key, query)

@@ -28,7 +28,9 @@ from torch import nn
 from mmattn import _checks as checks
 from mmattn.blocks._geometry import fused_edges
 from mmattn.blocks._packed import map_packed
+from mmattn.blocks._pattern import check_pattern
 from mmattn.blocks.transformer import CrossAttentionBlock, Encoder, TransformerBlock
+from mmattn.patterns import Pattern
 from mmattn.registry import AttentionSpec
 from mmattn.tokens import RESERVED_NAMES, Tokens
 
@@ -77,6 +79,10 @@ class MultiModalEncoder(nn.Module):
         attention, attention_kwargs: the self-attention of every block, as in
             :class:`~mmattn.blocks.TransformerBlock` (the latents' cross-attention stays
             :class:`~mmattn.CrossAttention`).
+        pattern: a :mod:`mmattn.patterns` Pattern ("concat" only), compiled once per
+            forward on the fused Tokens, whose meta holds the spans, each modality's grid
+            and the fused ``edge_index``: e.g. ``P.per_modality(within={"text": P.causal(),
+            "image": P.neighborhood(7), "graph": P.edges()}, across=P.full())``.
         device, dtype: factory arguments for the encoder's own parameters (adapters keep
             theirs).
 
@@ -94,7 +100,7 @@ class MultiModalEncoder(nn.Module):
             ("spans", "modalities", "fusion", "context", "edge_index": the meta keys the
             encoder writes);
             an adapter of another width; modalities with different batch sizes; unknown
-            ``fusion``.
+            ``fusion``; ``pattern`` with ``fusion="latent"``.
 
     Examples:
         >>> class Vectors(nn.Module):
@@ -121,6 +127,7 @@ class MultiModalEncoder(nn.Module):
         attention_kwargs: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        pattern: Pattern | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(adapters, Mapping):
@@ -149,6 +156,11 @@ class MultiModalEncoder(nn.Module):
                     f"adapters[{name!r}] has embed_dim={width}, expected embed_dim={embed_dim}"
                 )
         checks.check_choice("fusion", fusion, _FUSIONS)
+        if check_pattern(pattern) is not None and fusion != "concat":
+            raise ValueError(
+                'pattern= needs fusion="concat" (the latents have no spans to pattern), got '
+                f"fusion={fusion!r}"
+            )
         factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
         self.embed_dim = embed_dim
         self.depth = depth
@@ -162,7 +174,9 @@ class MultiModalEncoder(nn.Module):
         attention_kw = {"attention": attention, "attention_kwargs": attention_kwargs}
         if fusion == "concat":
             self.num_latents = None
-            self.encoder = Encoder(embed_dim, depth, num_heads, **block_kw, **attention_kw)
+            self.encoder = Encoder(
+                embed_dim, depth, num_heads, **block_kw, **attention_kw, pattern=pattern
+            )
         else:
             self.num_latents = checks.check_positive_int("num_latents", num_latents)
             self.latents = nn.Parameter(torch.empty(num_latents, embed_dim, **factory))
