@@ -122,9 +122,8 @@ def sparse_forward(
     if key_padding_mask is not None:
         key_mask = ~key_padding_mask if key_padding_mask.dtype == torch.bool else (
             key_padding_mask.to(q.dtype))
-    plan = _plan(attn_mask, module.embed_dim)
-    out, weights = block_sparse.attend(
-        q, k, v, plan, key_mask=key_mask, is_causal=is_causal,
+    out, weights = _attend(
+        q, k, v, attn_mask, module.embed_dim, key_mask=key_mask, is_causal=is_causal,
         dropout_p=module.dropout if module.training else 0.0, need_weights=need_weights,
         groups=module.num_heads // module.num_kv_heads,
     )
@@ -142,6 +141,8 @@ def sparse_forward(
 
 
 @torch.compiler.disable
-def _plan(mask: SparseMask, width: int) -> block_sparse.TilePlan:
-    """The mask's cached bucket plan (built eagerly: a graph break under torch.compile)."""
-    return mask.plan(width)
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: SparseMask, width: int,
+            **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """The kernel on the mask's cached plan, run eagerly: under torch.compile a graph break
+    (the plan is data: Python lists of buckets), so the projections around it compile."""
+    return block_sparse.attend(q, k, v, mask.plan(width), **kwargs)

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from mmattn._helpers import exporting
 from mmattn.attention._sparse import is_sparse_mask
 from mmattn.patterns import Pattern, SparseMask
 from mmattn.patterns import causal as causal_pattern
@@ -45,6 +46,12 @@ def uses_pattern(pattern: Pattern | None, attn_mask: object) -> bool:
 
 def compile_for(pattern: Pattern, tokens: Tokens, attn_mask: object, causal: bool) -> SparseMask:
     """``pattern`` (``& P.causal()`` when ``causal``) compiled on ``tokens``."""
+    if exporting():
+        raise NotImplementedError(
+            "pattern= does not export: compiling a pattern classifies tiles from the data. "
+            "Export the model without pattern= and pass attn_mask=~pattern.dense(tokens) "
+            "(a tensor input) instead"
+        )
     if attn_mask is not None:
         raise ValueError(
             "attn_mask and pattern= were both given; fold the mask into the pattern "

@@ -285,7 +285,8 @@ def attend(
             if live is not None:
                 out = torch.where(live, out, 0.0)
         outs.append(out.transpose(1, 2).reshape(tiles * s, heads * ev))
-    outs.append(q.new_zeros(1, heads * ev))
+    touch = sum(t.flatten()[:0].sum() for t in (q, k, v))  # attached even with no tile
+    outs.append(q.new_zeros(1, heads * ev) + touch)
     out = torch.cat(outs).index_select(0, plan.rows).view(batch, padded, heads, ev)
     out = out[:, :length].transpose(1, 2)
     if weights is not None:
