@@ -139,6 +139,11 @@ def plan_tiles(
         call_cost=_packed.CALL_WORK / max(width, 1),
     )
     offsets = torch.arange(s, device=device)
+    # every slot's (s, s) mask, gathered from one bank: full, empty (a padding slot), full
+    # up to L (the last key tile), then the mixed tiles' exact masks
+    full = torch.ones(1, s, s, dtype=torch.bool, device=device)
+    bank = torch.cat([full, ~full, full & (offsets < length - (n - 1) * s), mixed_masks])
+    kind = torch.where(kind >= 0, kind + 3, torch.where(tiles[:, 2] == n - 1, 2, 0))
     buckets = []
     for cut in cuts:
         qt = torch.cat([groups[m][0] for m in cut.items])
@@ -146,13 +151,9 @@ def plan_tiles(
         slot = torch.arange(c, device=device)
         valid = slot < counts[qt][:, None]  # (N, c)
         idx = torch.where(valid, starts[qt][:, None] + slot, starts[qt][:, None])
-        kj, kd = tiles[idx, 2], kind[idx]
+        kj = tiles[idx, 2]
         b, qi = qt // n, qt % n
-        allowed = torch.ones(qt.shape[0], c, s, s, dtype=torch.bool, device=device)
-        part = valid & (kd >= 0)
-        allowed[part] = mixed_masks[kd[part]]
-        allowed[~valid] = False
-        allowed &= (kj[:, :, None, None] * s + offsets < length)  # keys past L
+        allowed = bank[torch.where(valid, kind[idx], 1)]  # (N, c, s, s)
         buckets.append(Bucket(
             count=c,
             q_rows=((b * padded + qi * s)[:, None] + offsets).reshape(-1),
@@ -165,9 +166,11 @@ def plan_tiles(
     rows = torch.full((batch * padded,), q_rows.shape[0], dtype=torch.long, device=device)
     rows[q_rows] = torch.arange(q_rows.shape[0], device=device)
     seen = torch.zeros(batch * padded, dtype=torch.bool, device=device)
-    for bk in buckets:
-        hit = bk.allowed.any(dim=2).reshape(-1)  # (N c s,) key rows some query attends
-        seen[bk.k_rows[hit]] = True
+    key_rows = (full_tiles[:, 0] * padded + full_tiles[:, 2] * s)[:, None] + offsets
+    seen[key_rows.reshape(-1)] = True  # (rows past L are never read)
+    key_rows = (mixed_tiles[:, 0] * padded + mixed_tiles[:, 2] * s)[:, None] + offsets
+    attended = mixed_masks.view(torch.uint8).amax(dim=1).bool()  # (P, s); amax: the fast one
+    seen[key_rows[attended]] = True  # the keys some query of the tile attends
     density = tiles.shape[0] / (batch * n * n) if batch * n else 0.0
     return TilePlan(batch, length, s, padded, tuple(buckets), q_rows, k_rows, rows, seen,
                     bool(seen.view(batch, padded)[:, :length].all()), density)

@@ -40,12 +40,13 @@ class Same(Pattern):
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         ids = self.ids(ctx)
-        lo, hi = tiles.span(("same", self.key), ids, ids >= 0)  # over the ids that match
-        top = torch.minimum(q_axis(hi), k_axis(hi))
-        may = (torch.maximum(q_axis(lo), k_axis(lo)) <= top) & (top >= 0)
+        # the ranges of the ids >= 0 meet (a tile without any has lo > hi: they cannot)
+        lo, hi = tiles.span(("same", self.key), ids, ids >= 0)
+        may = (q_axis(lo) <= k_axis(hi)) & (k_axis(lo) <= q_axis(hi))
+        # one id >= 0 throughout both tiles, the same one
         lo, hi = tiles.span(("same-all", self.key), ids)
-        one_q, one_k = q_axis(lo == hi), k_axis(lo == hi)
-        must = one_q & one_k & (q_axis(lo) == k_axis(lo)) & (q_axis(lo) >= 0)
+        single = (lo == hi) & (lo >= 0)
+        must = (q_axis(lo) == k_axis(lo)) & q_axis(single) & k_axis(single)
         return may, must
 
     def __repr__(self) -> str:

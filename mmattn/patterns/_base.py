@@ -70,6 +70,18 @@ class Pattern:
         """
         raise NotImplementedError
 
+    def tile_bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        """:meth:`bound`, computed once per context and block size (combinators call this)."""
+        return ctx.cached(("bound", id(self), tiles.block), lambda: self.bound(ctx, tiles))
+
+    def tile_rule(
+        self, ctx: TokenContext, tiles: Tiles, where: Tensor, b: Tensor, q: Tensor, k: Tensor
+    ) -> Tensor:
+        """:meth:`rule` on the tiles ``where`` (t, 3) (b, query tile, key tile) only; ``b``,
+        ``q``, ``k`` index their pairs. Combinators skip a part whose bound already decides
+        every one of these tiles."""
+        return self.rule(ctx, b, q, k)
+
     # ------------------------------------------------------------------ combinators
 
     def __and__(self, other: object) -> Pattern:
@@ -147,22 +159,44 @@ class Pattern:
         ctx = TokenContext(tokens)
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return with_padding(self, ctx, b.long(), q_idx.long(), kv_idx.long())
+            b, q, k = b.long(), q_idx.long(), kv_idx.long()
+            return self.rule(ctx, b, q, k) & ctx.real[b, q] & ctx.real[b, k]
 
         return mask_mod
 
 
-def with_padding(pattern: Pattern, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-    """``pattern.rule`` where both tokens are real (padded keys and rows never attend)."""
+def with_padding(
+    pattern: Pattern, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor,
+    tiles: Tiles | None = None, where: Tensor | None = None,
+) -> Tensor:
+    """``pattern.rule`` where both tokens are real (padded keys and rows never attend); on
+    the tiles ``where`` only (``pattern.tile_rule``) when given."""
+    allowed = pattern.rule(ctx, b, q, k) if where is None else pattern.tile_rule(
+        ctx, tiles, where, b, q, k)
+    if ctx.all_real:
+        return allowed
     real = ctx.real
-    return pattern.rule(ctx, b, q, k) & real[b, q] & real[b, k]
+    return allowed & real[b, q] & real[b, k]
 
 
-def padding_bound(ctx: TokenContext, tiles: Tiles) -> Bound:
-    """The padding rule's tile bound: some / every token of both tiles is real."""
+def padding_bound(ctx: TokenContext, tiles: Tiles) -> Bound | None:
+    """The padding rule's tile bound: some / every token of both tiles is real (None: no
+    token is padding)."""
+    if ctx.all_real:
+        return None
     some = tiles.some("real", ctx.real)
     every = tiles.every("real", ctx.real)
     return q_axis(some) & k_axis(some), q_axis(every) & k_axis(every)
+
+
+def _decided(part: Pattern, ctx: TokenContext, tiles: Tiles, where: Tensor, must: bool) -> bool:
+    """Whether ``part``'s bound allows every pair (``must``) / no pair (not ``must``) of
+    every tile in ``where``."""
+    may_all, must_all = part.tile_bound(ctx, tiles)
+    grid = must_all if must else may_all
+    grid = grid.expand(ctx.batch, tiles.count, tiles.count)
+    hits = grid[where[:, 0], where[:, 1], where[:, 2]]
+    return bool(hits.all()) if must else not bool(hits.any())
 
 
 def _check_pattern(op: str, other: object) -> Pattern:
@@ -185,8 +219,17 @@ class And(Pattern):
         return first.rule(ctx, b, q, k) & second.rule(ctx, b, q, k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
-        (may_a, must_a), (may_b, must_b) = (p.bound(ctx, tiles) for p in self.parts)
+        (may_a, must_a), (may_b, must_b) = (p.tile_bound(ctx, tiles) for p in self.parts)
         return may_a & may_b, must_a & must_b
+
+    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+        first, second = self.parts
+        if _decided(first, ctx, tiles, where, must=True):  # allows all: the other decides
+            return second.tile_rule(ctx, tiles, where, b, q, k)
+        if _decided(second, ctx, tiles, where, must=True):
+            return first.tile_rule(ctx, tiles, where, b, q, k)
+        return first.tile_rule(ctx, tiles, where, b, q, k) & second.tile_rule(
+            ctx, tiles, where, b, q, k)
 
     def __repr__(self) -> str:
         return f"({self.parts[0]!r} & {self.parts[1]!r})"
@@ -203,8 +246,17 @@ class Or(Pattern):
         return first.rule(ctx, b, q, k) | second.rule(ctx, b, q, k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
-        (may_a, must_a), (may_b, must_b) = (p.bound(ctx, tiles) for p in self.parts)
+        (may_a, must_a), (may_b, must_b) = (p.tile_bound(ctx, tiles) for p in self.parts)
         return may_a | may_b, must_a | must_b
+
+    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+        first, second = self.parts
+        if _decided(first, ctx, tiles, where, must=False):  # allows none: the other decides
+            return second.tile_rule(ctx, tiles, where, b, q, k)
+        if _decided(second, ctx, tiles, where, must=False):
+            return first.tile_rule(ctx, tiles, where, b, q, k)
+        return first.tile_rule(ctx, tiles, where, b, q, k) | second.tile_rule(
+            ctx, tiles, where, b, q, k)
 
     def __repr__(self) -> str:
         return f"({self.parts[0]!r} | {self.parts[1]!r})"
@@ -220,8 +272,11 @@ class Not(Pattern):
         return ~self.part.rule(ctx, b, q, k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
-        may, must = self.part.bound(ctx, tiles)
+        may, must = self.part.tile_bound(ctx, tiles)
         return ~must, ~may
+
+    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+        return ~self.part.tile_rule(ctx, tiles, where, b, q, k)
 
     def __invert__(self) -> Pattern:
         return self.part

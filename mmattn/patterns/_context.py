@@ -54,7 +54,7 @@ class TokenContext:
 
     Attributes:
         batch, length: B and L. device: of the tokens.
-        real: (B, L) bool, True at real tokens.
+        real: (B, L) bool, True at real tokens; all_real: no padding at all.
         positions: (L,) int64, 0..L-1.
     """
 
@@ -67,6 +67,7 @@ class TokenContext:
         self.batch, self.length = int(tokens.batch_size), int(tokens.length)
         self.device = tokens.device
         self.real = tokens.full_mask()
+        self.all_real = tokens.mask is None or bool(self.real.all())
         self.positions = torch.arange(self.length, device=self.device)
         self._cache: dict[Any, Any] = {}
 

@@ -35,9 +35,10 @@ def axis_window(p: Tensor, s: Tensor, n: Tensor, k: int, d: int) -> Tensor:
     return (s % d == sub) & (s_idx >= start) & (s_idx < start + width)
 
 
-def _gap(q_lo: Tensor, q_hi: Tensor, k_lo: Tensor, k_hi: Tensor) -> Tensor:
-    """Distance between the ranges [q_lo, q_hi] and [k_lo, k_hi] (0 where they meet)."""
-    return torch.clamp(torch.maximum(k_lo - q_hi, q_lo - k_hi), min=0)
+def _within(q_lo: Tensor, q_hi: Tensor, k_lo: Tensor, k_hi: Tensor, reach: int) -> Tensor:
+    """The ranges [q_lo, q_hi] and [k_lo, k_hi] (query / key axis) are at most ``reach``
+    apart."""
+    return (k_axis(k_lo) <= q_axis(q_hi + reach)) & (q_axis(q_lo) <= k_axis(k_hi + reach))
 
 
 class Neighborhood(Pattern):
@@ -58,16 +59,15 @@ class Neighborhood(Pattern):
         g = ctx.grid("P.neighborhood")
         (kh, kw), (dh, dw) = self.kernel_size, self.dilation
         inside = g.gid >= 0
-        g_lo, g_hi = tiles.span("grid-id", g.gid, inside)
-        top = torch.minimum(q_axis(g_hi), k_axis(g_hi))
-        may = (torch.maximum(q_axis(g_lo), k_axis(g_lo)) <= top) & (top >= 0)
+        lo, hi = tiles.span("grid-id", g.gid, inside)
+        may = _within(lo, hi, lo, hi, 0)  # some grid in common
         for key, values, reach in (("grid-row", g.row, (kh - 1) * dh),
                                    ("grid-col", g.col, (kw - 1) * dw)):
             lo, hi = tiles.span(key, values, inside)
-            may = may & (_gap(q_axis(lo), q_axis(hi), k_axis(lo), k_axis(hi)) <= reach)
-        a_lo, a_hi = tiles.span("grid-id-all", g.gid)
-        one_grid = q_axis(a_lo == a_hi) & k_axis(a_lo == a_hi) & (q_axis(a_lo) == k_axis(a_lo))
-        must = one_grid & (q_axis(a_lo) >= 0)
+            may = may & _within(lo, hi, lo, hi, reach)
+        lo, hi = tiles.span("grid-id-all", g.gid)
+        single = (lo == hi) & (lo >= 0)
+        must = (q_axis(lo) == k_axis(lo)) & q_axis(single) & k_axis(single)
         if (dh, dw) == (1, 1):  # a kernel as large as the grid sees all of it
             _, rows_hi = tiles.span("grid-rows", g.rows)
             _, cols_hi = tiles.span("grid-cols", g.cols)

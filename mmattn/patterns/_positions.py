@@ -58,9 +58,10 @@ class Window(Pattern):
         return (q - k).abs() <= self.w
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
-        nearest = torch.clamp(torch.maximum(tiles.k_lo - tiles.q_hi, tiles.q_lo - tiles.k_hi), 0)
-        farthest = torch.maximum(tiles.q_hi - tiles.k_lo, tiles.k_hi - tiles.q_lo)
-        return nearest <= self.w, farthest <= self.w
+        w = self.w
+        may = (tiles.k_lo <= tiles.q_hi + w) & (tiles.q_lo <= tiles.k_hi + w)  # nearest <= w
+        must = (tiles.q_hi - w <= tiles.k_lo) & (tiles.k_hi <= tiles.q_lo + w)  # farthest
+        return may, must
 
     def __repr__(self) -> str:
         return f"window({self.w})"

@@ -29,7 +29,7 @@ from mmattn.tokens import Tokens
 __all__ = ["SparseMask"]
 
 #: Most (query, key) pairs evaluated in one exact pass over mixed tiles.
-CHUNK_PAIRS = 1 << 21
+CHUNK_PAIRS = 1 << 18  # 256 KiB of bools: the passes stay in cache
 
 
 class SparseMask:
@@ -133,10 +133,12 @@ def compile_pattern(pattern: Pattern, tokens: Tokens, block_size: int = 64) -> S
     ctx = TokenContext(tokens)
     tiles = Tiles(ctx, block)
     n = tiles.count
-    may, must = pattern.bound(ctx, tiles)
-    real_may, real_must = padding_bound(ctx, tiles)
+    may, must = pattern.tile_bound(ctx, tiles)
+    padding = padding_bound(ctx, tiles)
+    if padding is not None:
+        may, must = may & padding[0], must & padding[1]
     shape = (ctx.batch, n, n)
-    may, must = (may & real_may).expand(shape), (must & real_must).expand(shape)
+    may, must = may.expand(shape), must.expand(shape)
     full_tiles = must.nonzero()
     candidates = (may & ~must).nonzero()
     kept, masks = [], []
@@ -146,11 +148,11 @@ def compile_pattern(pattern: Pattern, tokens: Tokens, block_size: int = 64) -> S
         b, qi, kj = chunk.unbind(1)
         q = qi[:, None, None] * block + offsets[None, :, None]  # (t, s, 1)
         k = kj[:, None, None] * block + offsets[None, None, :]  # (t, 1, s)
-        inside = (q < ctx.length) & (k < ctx.length)
         last = max(ctx.length - 1, 0)
-        exact = with_padding(
-            pattern, ctx, b[:, None, None], q.clamp(max=last), k.clamp(max=last)
-        ) & inside
+        exact = with_padding(pattern, ctx, b[:, None, None], q.clamp(max=last), k.clamp(max=last),
+                             tiles=tiles, where=chunk)
+        if ctx.length % block:  # the last tiles reach past L
+            exact = exact & (q < ctx.length) & (k < ctx.length)
         exact = exact.expand(chunk.shape[0], block, block)
         keep = exact.flatten(1).any(dim=1)
         kept.append(chunk[keep])
