@@ -33,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmattn._helpers import exporting
 from mmattn.kernels import dense as _dense
 from mmattn.kernels import packed as _packed
+from mmattn.kernels._block_sparse_cpu import DTYPES, TileAttention
 
 #: Items the bucket planner sees at most (query tiles of equal count are grouped to fit).
 PLAN_ITEMS = 64
@@ -46,15 +48,16 @@ class Bucket:
 
     Attributes:
         count: key tiles per query tile (c).
-        q_rows: (N s,) rows of the flat (b * padded length) layout, tile by tile.
-        k_rows: (N c s,) key rows, query tile by query tile, key tile by key tile.
+        q_tiles: (N,) query tiles in the flat (b n) tile order (tile t holds the rows
+            t s .. t s + s - 1 of the flat (b * padded length) layout).
+        k_tiles: (N c,) their key tiles, query tile by query tile.
         slots: (N, c, 3) (b, query tile, key tile) of each slot (padding: a real tile).
         allowed: (N, 1, s, c s) bool, True where the pair may attend.
     """
 
     count: int
-    q_rows: Tensor
-    k_rows: Tensor
+    q_tiles: Tensor
+    k_tiles: Tensor
     slots: Tensor
     allowed: Tensor
     _masks: dict = field(default_factory=dict, repr=False)
@@ -62,6 +65,22 @@ class Bucket:
     @property
     def tiles(self) -> int:
         return self.slots.shape[0]
+
+    @property
+    def block(self) -> int:
+        return self.allowed.shape[2]
+
+    @property
+    def q_rows(self) -> Tensor:
+        """(N s,) the flat rows of the query tiles."""
+        return (self.q_tiles[:, None] * self.block + torch.arange(
+            self.block, device=self.q_tiles.device)).reshape(-1)
+
+    @property
+    def k_rows(self) -> Tensor:
+        """(N c s,) the flat rows of the key tiles."""
+        return (self.k_tiles[:, None] * self.block + torch.arange(
+            self.block, device=self.k_tiles.device)).reshape(-1)
 
     def fused_mask(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         """The additive mask with dead rows opened, and the live rows (None: all live)."""
@@ -87,11 +106,12 @@ class TilePlan:
     Attributes:
         batch, length, block, padded: B, L, s and the padded length n s.
         buckets: the buckets, in gather order.
-        q_rows, k_rows: every bucket's rows, one after another (one gather each).
-        rows: (B padded,) for every flat query row, its row in the buckets' stacked outputs
-            (rows of query tiles without keys point one past the end, at a zero row).
+        q_tiles, k_tiles: every bucket's tiles, one after another (one gather each).
+        tile_rows: (B n,) for every query tile, its place in the buckets' stacked outputs
+            (tiles without keys point one past the end, at a zero tile).
         seen: (B padded,) bool, keys that some query may attend (others are zeroed).
         density: non-empty tiles over all tiles.
+        workspace: gather buffers of the CPU fused path, reused call after call.
     """
 
     batch: int
@@ -99,12 +119,13 @@ class TilePlan:
     block: int
     padded: int
     buckets: tuple[Bucket, ...]
-    q_rows: Tensor
-    k_rows: Tensor
-    rows: Tensor
+    q_tiles: Tensor
+    k_tiles: Tensor
+    tile_rows: Tensor
     seen: Tensor
     all_seen: bool
     density: float
+    workspace: dict = field(default_factory=dict, repr=False)
 
 
 def plan_tiles(
@@ -156,15 +177,15 @@ def plan_tiles(
         allowed = bank[torch.where(valid, kind[idx], 1)]  # (N, c, s, s)
         buckets.append(Bucket(
             count=c,
-            q_rows=((b * padded + qi * s)[:, None] + offsets).reshape(-1),
-            k_rows=((b[:, None] * padded + kj * s)[:, :, None] + offsets).reshape(-1),
+            q_tiles=qt,
+            k_tiles=(b[:, None] * n + kj).reshape(-1),
             slots=torch.stack([b[:, None].expand_as(kj), qi[:, None].expand_as(kj), kj], -1),
             allowed=allowed.permute(0, 2, 1, 3).reshape(qt.shape[0], 1, s, c * s),
         ))
-    q_rows = torch.cat([bk.q_rows for bk in buckets]) if buckets else offsets[:0]
-    k_rows = torch.cat([bk.k_rows for bk in buckets]) if buckets else offsets[:0]
-    rows = torch.full((batch * padded,), q_rows.shape[0], dtype=torch.long, device=device)
-    rows[q_rows] = torch.arange(q_rows.shape[0], device=device)
+    q_tiles = torch.cat([bk.q_tiles for bk in buckets]) if buckets else offsets[:0]
+    k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
+    tile_rows = torch.full((batch * n,), q_tiles.shape[0], dtype=torch.long, device=device)
+    tile_rows[q_tiles] = torch.arange(q_tiles.shape[0], device=device)
     seen = torch.zeros(batch * padded, dtype=torch.bool, device=device)
     key_rows = (full_tiles[:, 0] * padded + full_tiles[:, 2] * s)[:, None] + offsets
     seen[key_rows.reshape(-1)] = True  # (rows past L are never read)
@@ -172,7 +193,7 @@ def plan_tiles(
     attended = mixed_masks.view(torch.uint8).amax(dim=1).bool()  # (P, s); amax: the fast one
     seen[key_rows[attended]] = True  # the keys some query of the tile attends
     density = tiles.shape[0] / (batch * n * n) if batch * n else 0.0
-    return TilePlan(batch, length, s, padded, tuple(buckets), q_rows, k_rows, rows, seen,
+    return TilePlan(batch, length, s, padded, tuple(buckets), q_tiles, k_tiles, tile_rows, seen,
                     bool(seen.view(batch, padded)[:, :length].all()), density)
 
 
@@ -188,6 +209,11 @@ def _groups(busy: Tensor, counts: list[int], block: int) -> list[tuple[Tensor, i
         groups.append((busy[start:stop], counts[start]))
         start = stop
     return groups
+
+
+def tiled(rows: Tensor, block: int) -> Tensor:
+    """(r, f) flat rows → (r / s, s f): one row per tile (a view)."""
+    return rows.view(-1, block * rows.shape[1])
 
 
 def _rows(x: Tensor, padded: int) -> Tensor:
@@ -243,12 +269,18 @@ def attend(
     seen = plan.seen if key_ok is None else plan.seen & key_ok
     if key_ok is not None or not plan.all_seen:
         k2, v2 = torch.where(seen[:, None], k2, 0.0), torch.where(seen[:, None], v2, 0.0)
-    sizes_q = [bk.q_rows.shape[0] for bk in plan.buckets]
-    sizes_k = [bk.k_rows.shape[0] for bk in plan.buckets]
-    qg = q2.index_select(0, plan.q_rows).split(sizes_q)
-    kg = k2.index_select(0, plan.k_rows).split(sizes_k)
-    vg = v2.index_select(0, plan.k_rows).split(sizes_k)
+    sizes_q = [bk.q_tiles.shape[0] for bk in plan.buckets]
+    sizes_k = [bk.k_tiles.shape[0] for bk in plan.buckets]
+    qg = tiled(q2, s).index_select(0, plan.q_tiles).split(sizes_q)  # whole tiles: fewer,
+    kg = tiled(k2, s).index_select(0, plan.k_tiles).split(sizes_k)  # longer copies
+    vg = tiled(v2, s).index_select(0, plan.k_tiles).split(sizes_k)
     extra = key_ok is not None or key_add is not None or is_causal
+    if _fast(q, v, explicit, dropout_p, key_add):  # the CPU flash kernel, memory-lean
+        masks = [_fused_mask(bk, extra, key_ok, key_add, is_causal, padded, q.dtype)
+                 for bk in plan.buckets]
+        out = TileAttention.apply(
+            q2, k2, v2, plan.buckets, masks, heads, kv_heads, scale, plan.workspace)
+        return out.view(batch, padded, heads, ev)[:, :length].transpose(1, 2), None
     outs, weights = [], None
     if need_weights:
         count = padded // s
@@ -275,12 +307,7 @@ def attend(
                 slot = bucket.slots
                 weights.index_put_((slot[..., 0], slot[..., 1], slot[..., 2]), w, accumulate=True)
         else:
-            if extra:
-                mask, live = additive(allowed, q.dtype)
-                if key_add is not None:
-                    mask = mask + key_add[bucket.k_rows].view(tiles, 1, 1, width).to(q.dtype)
-            else:
-                mask, live = bucket.fused_mask(q.dtype)
+            mask, live = _fused_mask(bucket, extra, key_ok, key_add, is_causal, padded, q.dtype)
             out = _dense.sdpa(
                 qb, kb, vb, mask, dropout_p=dropout_p, scale=scale, groups=groups,
                 dead_rows=False,
@@ -289,13 +316,38 @@ def attend(
                 out = torch.where(live, out, 0.0)
         outs.append(out.transpose(1, 2).reshape(tiles * s, heads * ev))
     touch = sum(t.flatten()[:0].sum() for t in (q, k, v))  # attached even with no tile
-    outs.append(q.new_zeros(1, heads * ev) + touch)
-    out = torch.cat(outs).index_select(0, plan.rows).view(batch, padded, heads, ev)
+    outs.append(q.new_zeros(s, heads * ev) + touch)
+    out = tiled(torch.cat(outs), s).index_select(0, plan.tile_rows)
+    out = out.view(batch, padded, heads, ev)
     out = out[:, :length].transpose(1, 2)
     if weights is not None:
         weights = weights.permute(0, 3, 1, 4, 2, 5).reshape(batch, heads, padded, padded)
         weights = weights[:, :, :length, :length]
     return out, weights
+
+
+def _fast(q: Tensor, v: Tensor, explicit: bool, dropout_p: float, key_add: Tensor | None) -> bool:
+    """Whether :class:`~mmattn.kernels._block_sparse_cpu.TileAttention` can run the call."""
+    return (
+        not explicit and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype in DTYPES
+        and q.shape[-1] == v.shape[-1] and not exporting()
+        and not (key_add is not None and key_add.requires_grad)
+    )
+
+
+def _fused_mask(
+    bucket: Bucket, extra: bool, key_ok: Tensor | None, key_add: Tensor | None,
+    is_causal: bool, padded: int, dtype: torch.dtype,
+) -> tuple[Tensor, Tensor | None]:
+    """A bucket's additive mask (dead rows opened) and live rows, for this call."""
+    if not extra:
+        return bucket.fused_mask(dtype)
+    allowed = _call_allowed(bucket, bucket.allowed, key_ok, key_add, is_causal, padded)
+    mask, live = additive(allowed, dtype)
+    if key_add is not None:
+        width = bucket.k_rows.shape[0] // bucket.tiles
+        mask = mask + key_add[bucket.k_rows].view(bucket.tiles, 1, 1, width).to(dtype)
+    return mask, live
 
 
 def _key_rows(key_mask: Tensor | None, padded: int) -> tuple[Tensor | None, Tensor | None]:

@@ -33,16 +33,18 @@ CASES = {
 }
 
 
-def qkv(kv_heads: int, dtype=torch.float64):
+def qkv(kv_heads: int, dtype=torch.float64, value_width=E):
+    """Value width E takes the CPU flash Function; another width the generic path."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(B, H, L, E, dtype=dtype, generator=gen, requires_grad=True)
     k = torch.randn(B, kv_heads, L, E, dtype=dtype, generator=gen, requires_grad=True)
-    v = torch.randn(B, kv_heads, L, E + 2, dtype=dtype, generator=gen, requires_grad=True)
+    v = torch.randn(B, kv_heads, L, value_width, dtype=dtype, generator=gen,
+                    requires_grad=True)
     return q, k, v
 
 
-def run_both(mask, allowed, kv_heads, need_weights, **kwargs):
-    q, k, v = qkv(kv_heads)
+def run_both(mask, allowed, kv_heads, need_weights, value_width=E, **kwargs):
+    q, k, v = qkv(kv_heads, value_width=value_width)
     groups = H // kv_heads
     out, w = block_sparse.attend(q, k, v, mask.plan(64), need_weights=need_weights,
                                  groups=groups, **kwargs)
@@ -68,8 +70,9 @@ def test_equals_dense_kernel(name, block, fused):
     mask = CASES[name].compile(t, block)
     allowed = CASES[name].dense(t)
     with fused_attn(fused):
-        for kv_heads, need_weights in ((H, False), (2, not fused)):
-            (out, w, got), (ref, ref_w, want) = run_both(mask, allowed, kv_heads, need_weights)
+        for kv_heads, need_weights, width in ((H, False, E), (2, not fused, E), (2, False, E + 2)):
+            (out, w, got), (ref, ref_w, want) = run_both(mask, allowed, kv_heads, need_weights,
+                                                         width)
             torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-9)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
