@@ -155,7 +155,8 @@ def per_modality(within: Mapping[str, Pattern], across: Pattern | None = None) -
     ``within[its modality]`` (:func:`full` where the modality is not named); a pair in
     different segments uses ``across`` (default :func:`full`). Two tokens both outside any
     segment (id -1) count as different segments. Built from ``&``, ``|``, ``~`` of
-    :func:`same`-segment and :func:`modality` rules.
+    :func:`same`-segment and :func:`modality` rules, on each batch from the modalities it
+    has (a modality left out of a call needs no grid or edges).
 
     Raises:
         TypeError: ``within`` is not a mapping of names to Patterns; ``across`` is not a
@@ -180,11 +181,41 @@ def per_modality(within: Mapping[str, Pattern], across: Pattern | None = None) -
     across = Full() if across is None else across
     if not isinstance(across, Pattern):
         raise TypeError(f"across must be a Pattern, got {type(across).__name__}")
-    segment = SameSegment()
-    inside: Pattern = ~Modality(tuple(within), None)  # modalities not named: full
-    for name, pattern in within.items():
-        inside = inside | (Modality((name,), None) & pattern)
-    return (segment & inside) | (~segment & across)
+    return PerModality(dict(within), across)
+
+
+class PerModality(Pattern):
+    """``per_modality``: on each batch, ``(same segment & inside) | (~same segment &
+    across)`` where ``inside`` is ``within[m]`` for the query's modality m (full where not
+    named). Only the modalities the tokens have are composed, so the pattern of a modality
+    left out of a call (its grid or edges absent too) is never read."""
+
+    def __init__(self, within: dict[str, Pattern], across: Pattern) -> None:
+        self.within, self.across = within, across
+
+    def composed(self, ctx: TokenContext) -> Pattern:
+        def build() -> Pattern:
+            _, names = ctx.modalities()
+            segment = SameSegment()
+            inside: Pattern = ~Modality(tuple(self.within), None)  # not named: full
+            for name, pattern in self.within.items():
+                if name in names:
+                    inside = inside | (Modality((name,), None) & pattern)
+            return (segment & inside) | (~segment & self.across)
+
+        return ctx.cached(("per-modality", id(self)), build)
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return self.composed(ctx).rule(ctx, b, q, k)
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        return self.composed(ctx).tile_bound(ctx, tiles)
+
+    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+        return self.composed(ctx).tile_rule(ctx, tiles, where, b, q, k)
+
+    def __repr__(self) -> str:
+        return f"per_modality(within={self.within!r}, across={self.across!r})"
 
 
 def runs(ids: Tensor) -> Tensor:

@@ -57,6 +57,17 @@ def test_per_modality_equals_naive_loop():
     assert torch.equal(P.per_modality({}).dense(FUSED), NAIVE.mask(RULES["full"]))
 
 
+def test_per_modality_ignores_modalities_the_tokens_lack():
+    """A modality left out of the call: its pattern (and the meta it needs) is not read."""
+    text = Tokens.cat({"text": Tokens(torch.zeros(1, 5, 2))})
+    pattern = P.per_modality(within={"text": P.causal(), "graph": P.edges(),
+                                     "image": P.neighborhood(3)})
+    assert torch.equal(pattern.dense(text), P.causal().dense(text))
+    assert torch.equal(pattern.compile(text, 2).dense(), P.causal().dense(text))
+    with pytest.raises(ValueError, match="edge_index"):
+        P.edges().dense(text)  # alone, a missing key is still an error
+
+
 def test_interleaved_gemma3_style():
     """token_type_ids → runs: causal text, bidirectional inside each image, causal across."""
     tokens = interleaved_tokens()
@@ -162,7 +173,7 @@ PLAIN = Tokens(torch.zeros(1, 4, 2))
     (P.neighborhood(3), "needs a grid: meta\\['grid'\\]"),
     (P.edges(), r"needs meta\['edge_index'\]"),
     (P.modality(query="text"), r"need meta\['spans'\]"),
-    (P.per_modality({"a": P.causal()}), r"needs meta\['spans'\] or meta\['segments'\]"),
+    (P.per_modality({"a": P.causal()}), r"need meta\['spans'\]"),
 ])
 def test_missing_meta_key_is_named(pattern, match):
     with pytest.raises(ValueError, match=match):
