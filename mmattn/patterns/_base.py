@@ -22,18 +22,13 @@ is ANDed with at the top: a padded key or a padded query row never attends, also
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from mmattn.patterns._context import Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Bound, Tiles, TokenContext, with_padding
+from mmattn.patterns._sparse_mask import SparseMask, compile_pattern
 from mmattn.tokens import Tokens
-
-if TYPE_CHECKING:
-    from mmattn.patterns._sparse_mask import SparseMask
-
-Bound = tuple[Tensor, Tensor]
 
 __all__ = ["Pattern"]
 
@@ -146,8 +141,6 @@ class Pattern:
         Raises:
             TypeError / ValueError: bad ``block_size``; a meta key missing.
         """
-        from mmattn.patterns._sparse_mask import compile_pattern
-
         return compile_pattern(self, tokens, block_size)
 
     def mask_mod(self, tokens: Tokens) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
@@ -163,30 +156,6 @@ class Pattern:
             return self.rule(ctx, b, q, k) & ctx.real[b, q] & ctx.real[b, k]
 
         return mask_mod
-
-
-def with_padding(
-    pattern: Pattern, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor,
-    tiles: Tiles | None = None, where: Tensor | None = None,
-) -> Tensor:
-    """``pattern.rule`` where both tokens are real (padded keys and rows never attend); on
-    the tiles ``where`` only (``pattern.tile_rule``) when given."""
-    allowed = pattern.rule(ctx, b, q, k) if where is None else pattern.tile_rule(
-        ctx, tiles, where, b, q, k)
-    if ctx.all_real:
-        return allowed
-    real = ctx.real
-    return allowed & real[b, q] & real[b, k]
-
-
-def padding_bound(ctx: TokenContext, tiles: Tiles) -> Bound | None:
-    """The padding rule's tile bound: some / every token of both tiles is real (None: no
-    token is padding)."""
-    if ctx.all_real:
-        return None
-    some = tiles.some("real", ctx.real)
-    every = tiles.every("real", ctx.real)
-    return q_axis(some) & k_axis(some), q_axis(every) & k_axis(every)
 
 
 def _decided(part: Pattern, ctx: TokenContext, tiles: Tiles, where: Tensor, must: bool) -> bool:

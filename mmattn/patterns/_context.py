@@ -34,6 +34,9 @@ from mmattn.tokens import Tokens
 #: Larger than any position or id (pads tile minima), and its negative (pads maxima).
 BIG = 2**62
 
+#: A tile bound: (may, must), each broadcastable to (B, n, m).
+Bound = tuple[Tensor, Tensor]
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -342,3 +345,27 @@ def q_axis(x: Tensor) -> Tensor:
 def k_axis(x: Tensor) -> Tensor:
     """A per-tile (B, m) quantity on the key axis of the (B, n, m) grid."""
     return x[:, None, :]
+
+
+def with_padding(
+    pattern: Any, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor,
+    tiles: Tiles | None = None, where: Tensor | None = None,
+) -> Tensor:
+    """``pattern.rule`` where both tokens are real (padded keys and rows never attend); on
+    the tiles ``where`` only (``pattern.tile_rule``) when given."""
+    allowed = pattern.rule(ctx, b, q, k) if where is None else pattern.tile_rule(
+        ctx, tiles, where, b, q, k)
+    if ctx.all_real:
+        return allowed
+    real = ctx.real
+    return allowed & real[b, q] & real[b, k]
+
+
+def padding_bound(ctx: TokenContext, tiles: Tiles) -> Bound | None:
+    """The padding rule's tile bound: some / every token of both tiles is real (None: no
+    token is padding)."""
+    if ctx.all_real:
+        return None
+    some = tiles.some("real", ctx.real)
+    every = tiles.every("real", ctx.real)
+    return q_axis(some) & k_axis(some), q_axis(every) & k_axis(every)

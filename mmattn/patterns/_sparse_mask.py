@@ -22,8 +22,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn.kernels import block_sparse as _kernel
-from mmattn.patterns._base import Pattern, padding_bound, with_padding
-from mmattn.patterns._context import Tiles, TokenContext
+from mmattn.patterns._context import Tiles, TokenContext, padding_bound, with_padding
 from mmattn.tokens import Tokens
 
 __all__ = ["SparseMask"]
@@ -125,10 +124,8 @@ class SparseMask:
         return self._plans[key]
 
 
-def compile_pattern(pattern: Pattern, tokens: Tokens, block_size: int = 64) -> SparseMask:
+def compile_pattern(pattern: Any, tokens: Tokens, block_size: int = 64) -> SparseMask:
     """``pattern.compile(tokens, block_size)``: see :meth:`Pattern.compile`."""
-    if not isinstance(pattern, Pattern):
-        raise TypeError(f"pattern must be a Pattern, got {type(pattern).__name__}")
     block = checks.check_positive_int("block_size", block_size)
     ctx = TokenContext(tokens)
     tiles = Tiles(ctx, block)
