@@ -19,6 +19,9 @@ from tests.mmattn._pattern_cases import (
     patterns,
 )
 
+#: No attention runs here: the MMATTN_FUSED_ATTN=0 pass would repeat these unchanged.
+pytestmark = pytest.mark.pins_path
+
 FUSED = fused_tokens()
 NAIVE = Naive(FUSED)
 RULES = naive_rules(NAIVE)

@@ -13,6 +13,9 @@ from mmattn import Tokens
 from mmattn import patterns as P
 from tests.mmattn._pattern_cases import fused_tokens, interleaved_tokens, patterns
 
+#: No attention runs here: the MMATTN_FUSED_ATTN=0 pass would repeat these unchanged.
+pytestmark = pytest.mark.pins_path
+
 FUSED = fused_tokens()
 PATTERNS = {
     **patterns(),
@@ -37,7 +40,7 @@ def nonempty_tiles(dense: torch.Tensor, block: int) -> int:
     return int(tiles.any(dim=4).any(dim=2).sum())
 
 
-@pytest.mark.parametrize("block", [1, 5, 8, 13, 64])
+@pytest.mark.parametrize("block", [1, 13, 64])
 @pytest.mark.parametrize("name", list(PATTERNS))
 def test_compile_equals_dense_and_counts_exactly(name, block):
     pattern = PATTERNS[name]
@@ -110,14 +113,13 @@ def test_compiling_never_allocates_an_l_by_l_tensor():
         P.per_modality(within={"text": P.causal(), "image": P.neighborhood(7),
                                "audio": P.window(32)},
                        across=P.modality(query="text") | P.modality(key="text")),
-        P.same("documents") & P.causal(),
-        ~P.chunked(256, left=1) & P.window(600),
+        ~P.chunked(256, left=1) & P.window(600) & P.same("documents"),
     ]
     for pattern in cases:
         with LargeAllocations(length * length) as watcher:
             mask = pattern.compile(tokens)
         assert watcher.seen == [], watcher.seen
         assert 0 < mask.density < 0.5
-    with LargeAllocations(length * length) as watcher:  # the watcher does see a dense mask
-        P.causal().dense(Tokens(torch.zeros(1, length, 1)))
+    with LargeAllocations(64 * 64) as watcher:  # the watcher does see a dense mask
+        P.causal().dense(Tokens(torch.zeros(1, 64, 1)))
     assert watcher.seen
