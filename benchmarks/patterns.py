@@ -12,7 +12,8 @@ fp32, one torch thread, D = 64, 4 heads of width 16, batch 1. Measures (issue 26
 - ``forward vs flex``: the same pattern, forward only (no_grad), the block-sparse kernel on
   the compiled mask against ``torch.compile(flex_attention)`` with
   ``create_block_mask(pattern.mask_mod(tokens), ...)`` (its default 128 block), both on the
-  same head-split q, k, v and both with their masks built outside the timing;
+  same head-split q, k, v (in the layout a projection gives) and both with their masks
+  built outside the timing;
 - ``per-modality``: text 512 (causal) | image 64 x 64 (neighbourhood k = 7) | audio 2048
   (window 32), text <-> everything full across, fwd + bwd against the dense mask;
 - ``exponent``: documents of 512, L = 2k ... 16k, fwd + bwd of the SparseMask run, the
@@ -102,7 +103,8 @@ def flex_forward(tokens: Tokens, pattern, repeats: int) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     length = tokens.length
-    q, k, v = (torch.randn(1, HEADS, length, HEAD) for _ in range(3))
+    # the layout a projection and a head split give: (b, l, h, e) memory, seen as (b, h, l, e)
+    q, k, v = (torch.randn(1, length, HEADS, HEAD).transpose(1, 2) for _ in range(3))
     block_mask = create_block_mask(pattern.mask_mod(tokens), 1, None, length, length,
                                    device="cpu")
     flex = torch.compile(flex_attention)
