@@ -36,7 +36,7 @@ from torch import Tensor
 from mmattn._helpers import exporting
 from mmattn.kernels import dense as _dense
 from mmattn.kernels import packed as _packed
-from mmattn.kernels._block_sparse_cpu import DTYPES, TileAttention
+from mmattn.kernels._block_sparse_cpu import DTYPES, TileAttention, rectangles
 
 #: Items the bucket planner sees at most (query tiles of equal count are grouped to fit).
 PLAN_ITEMS = 64
@@ -111,6 +111,8 @@ class TilePlan:
             (tiles without keys point one past the end, at a zero tile).
         seen: (B padded,) bool, keys that some query may attend (others are zeroed).
         density: non-empty tiles over all tiles.
+        tiles: (full tiles, mixed tiles, their masks, width), for the CPU fused path's own
+            parts (:func:`fast_parts`).
         workspace: gather buffers of the CPU fused path, reused call after call.
     """
 
@@ -125,6 +127,7 @@ class TilePlan:
     seen: Tensor
     all_seen: bool
     density: float
+    tiles: tuple = field(repr=False)
     workspace: dict = field(default_factory=dict, repr=False)
 
 
@@ -142,6 +145,32 @@ def plan_tiles(
     """
     s, n = block, -(-length // block)
     padded, device = n * s, mixed_masks.device
+    buckets = bucketize(batch, length, s, full_tiles, mixed_tiles, mixed_masks, width)
+    offsets = torch.arange(s, device=device)
+    q_tiles = torch.cat([bk.q_tiles for bk in buckets]) if buckets else offsets[:0]
+    k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
+    tile_rows = torch.full((batch * n,), q_tiles.shape[0], dtype=torch.long, device=device)
+    tile_rows[q_tiles] = torch.arange(q_tiles.shape[0], device=device)
+    seen = torch.zeros(batch * padded, dtype=torch.bool, device=device)
+    key_rows = (full_tiles[:, 0] * padded + full_tiles[:, 2] * s)[:, None] + offsets
+    seen[key_rows.reshape(-1)] = True  # (rows past L are never read)
+    key_rows = (mixed_tiles[:, 0] * padded + mixed_tiles[:, 2] * s)[:, None] + offsets
+    attended = mixed_masks.view(torch.uint8).amax(dim=1).bool()  # (P, s); amax: the fast one
+    seen[key_rows[attended]] = True  # the keys some query of the tile attends
+    total = full_tiles.shape[0] + mixed_tiles.shape[0]
+    density = total / (batch * n * n) if batch * n else 0.0
+    return TilePlan(batch, length, s, padded, tuple(buckets), q_tiles, k_tiles, tile_rows, seen,
+                    bool(seen.view(batch, padded)[:, :length].all()), density,
+                    (full_tiles, mixed_tiles, mixed_masks, width))
+
+
+def bucketize(
+    batch: int, length: int, s: int, full_tiles: Tensor, mixed_tiles: Tensor,
+    mixed_masks: Tensor, width: int,
+) -> list[Bucket]:
+    """The buckets of these tiles (see :func:`plan_tiles`)."""
+    n = -(-length // s)
+    device = mixed_masks.device
     tiles = torch.cat([full_tiles, mixed_tiles]).to(device)
     kind = torch.cat([
         torch.full((full_tiles.shape[0],), -1, dtype=torch.long, device=device),
@@ -182,19 +211,7 @@ def plan_tiles(
             slots=torch.stack([b[:, None].expand_as(kj), qi[:, None].expand_as(kj), kj], -1),
             allowed=allowed.permute(0, 2, 1, 3).reshape(qt.shape[0], 1, s, c * s),
         ))
-    q_tiles = torch.cat([bk.q_tiles for bk in buckets]) if buckets else offsets[:0]
-    k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
-    tile_rows = torch.full((batch * n,), q_tiles.shape[0], dtype=torch.long, device=device)
-    tile_rows[q_tiles] = torch.arange(q_tiles.shape[0], device=device)
-    seen = torch.zeros(batch * padded, dtype=torch.bool, device=device)
-    key_rows = (full_tiles[:, 0] * padded + full_tiles[:, 2] * s)[:, None] + offsets
-    seen[key_rows.reshape(-1)] = True  # (rows past L are never read)
-    key_rows = (mixed_tiles[:, 0] * padded + mixed_tiles[:, 2] * s)[:, None] + offsets
-    attended = mixed_masks.view(torch.uint8).amax(dim=1).bool()  # (P, s); amax: the fast one
-    seen[key_rows[attended]] = True  # the keys some query of the tile attends
-    density = tiles.shape[0] / (batch * n * n) if batch * n else 0.0
-    return TilePlan(batch, length, s, padded, tuple(buckets), q_tiles, k_tiles, tile_rows, seen,
-                    bool(seen.view(batch, padded)[:, :length].all()), density)
+    return buckets
 
 
 def _groups(busy: Tensor, counts: list[int], block: int) -> list[tuple[Tensor, int]]:
@@ -269,18 +286,19 @@ def attend(
     seen = plan.seen if key_ok is None else plan.seen & key_ok
     if key_ok is not None or not plan.all_seen:
         k2, v2 = torch.where(seen[:, None], k2, 0.0), torch.where(seen[:, None], v2, 0.0)
+    extra = key_ok is not None or key_add is not None or is_causal
+    if _fast(q, v, explicit, dropout_p, key_add):  # the CPU flash kernel, memory-lean
+        rects, buckets = ([], plan.buckets) if extra else fast_parts(plan)
+        masks = [_fused_mask(bk, extra, key_ok, key_add, is_causal, padded, q.dtype)
+                 for bk in buckets]
+        out = TileAttention.apply(
+            q2, k2, v2, rects, buckets, masks, heads, kv_heads, scale, plan.workspace)
+        return out.view(batch, padded, heads, ev)[:, :length].transpose(1, 2), None
     sizes_q = [bk.q_tiles.shape[0] for bk in plan.buckets]
     sizes_k = [bk.k_tiles.shape[0] for bk in plan.buckets]
     qg = tiled(q2, s).index_select(0, plan.q_tiles).split(sizes_q)  # whole tiles: fewer,
     kg = tiled(k2, s).index_select(0, plan.k_tiles).split(sizes_k)  # longer copies
     vg = tiled(v2, s).index_select(0, plan.k_tiles).split(sizes_k)
-    extra = key_ok is not None or key_add is not None or is_causal
-    if _fast(q, v, explicit, dropout_p, key_add):  # the CPU flash kernel, memory-lean
-        masks = [_fused_mask(bk, extra, key_ok, key_add, is_causal, padded, q.dtype)
-                 for bk in plan.buckets]
-        out = TileAttention.apply(
-            q2, k2, v2, plan.buckets, masks, heads, kv_heads, scale, plan.workspace)
-        return out.view(batch, padded, heads, ev)[:, :length].transpose(1, 2), None
     outs, weights = [], None
     if need_weights:
         count = padded // s
@@ -324,6 +342,19 @@ def attend(
         weights = weights.permute(0, 3, 1, 4, 2, 5).reshape(batch, heads, padded, padded)
         weights = weights[:, :, :length, :length]
     return out, weights
+
+
+def fast_parts(plan: TilePlan) -> tuple[list, list[Bucket]]:
+    """The CPU fused path's parts: rectangles of full tiles (one tall call each) and the
+    buckets of the other tiles; built once per plan. (A call with a key mask or the causal
+    flag changes the full tiles, so it runs on ``plan.buckets``.)"""
+    if "parts" not in plan.workspace:
+        full, mixed, masks, width = plan.tiles
+        n = plan.padded // plan.block
+        rects, rest = rectangles(full, n, plan.block, plan.length, plan.padded)
+        buckets = bucketize(plan.batch, plan.length, plan.block, rest, mixed, masks, width)
+        plan.workspace["parts"] = (rects, buckets)
+    return plan.workspace["parts"]
 
 
 def _fast(q: Tensor, v: Tensor, explicit: bool, dropout_p: float, key_add: Tensor | None) -> bool:

@@ -162,3 +162,34 @@ def test_equals_compiled_flex_attention_forward():
         ours, _ = block_sparse.attend(q, k, v, pattern.compile(t, 32).plan(32))
     live = pattern.dense(t).any(-1)[:, None, :, None]
     torch.testing.assert_close(torch.where(live, flex, 0.0), ours, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_full_rectangles_split_over_keys(fused, monkeypatch):
+    """Runs of full tiles shared by several query tiles (text <-> everything) run as tall
+    calls merged with the other tiles through their logsumexp (thresholds lowered so that
+    small sizes have them): outputs, gradients and dead rows as the dense kernel."""
+    from mmattn.kernels import _block_sparse_cpu
+
+    monkeypatch.setattr(_block_sparse_cpu, "RECT_TILES", 2)
+    monkeypatch.setattr(_block_sparse_cpu, "RECT_ROWS", 2)
+    kinds = torch.zeros(B, L, dtype=torch.long)  # image | text | audio | (none)
+    kinds[:, 16:28], kinds[:, 28:40], kinds[0, 40:] = 1, 2, -1
+    t = Tokens(torch.zeros(B, L, 1), torch.arange(L)[None] < torch.tensor([[L], [37]]),
+               meta={"modality_ids": kinds, "modalities": ["image", "text", "audio"],
+                     "segments": P.runs(kinds)})
+    pattern = P.per_modality(
+        within={"text": P.causal(), "image": P.window(2), "audio": P.window(1)},
+        across=P.modality(query="text") | P.modality(key="text"))
+    mask, allowed = pattern.compile(t, 4), pattern.dense(t)
+    rects, _ = block_sparse.fast_parts(mask.plan(64))
+    assert len(rects) >= 3  # text rows against both sides, both sides against text
+    assert (~allowed.any(-1)).any()  # rows without any key
+    with fused_attn(fused):
+        for kv_heads in (H, 2):
+            (out, _, got), (ref, _, want) = run_both(mask, allowed, kv_heads, False)
+            torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-9)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+    rows = out.permute(0, 2, 1, 3)[~allowed.any(-1)]
+    assert torch.equal(rows, torch.zeros_like(rows))
