@@ -352,7 +352,8 @@ def fast_parts(plan: TilePlan) -> tuple[list, list[Bucket]]:
         full, mixed, masks, width = plan.tiles
         n = plan.padded // plan.block
         rects, rest = rectangles(full, n, plan.block, plan.length, plan.padded)
-        buckets = bucketize(plan.batch, plan.length, plan.block, rest, mixed, masks, width)
+        buckets = plan.buckets if not rects else bucketize(
+            plan.batch, plan.length, plan.block, rest, mixed, masks, width)
         plan.workspace["parts"] = (rects, buckets)
     return plan.workspace["parts"]
 
