@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from mmattn._helpers import exporting
 from mmattn.attention._appended import num_extra_keys
+from mmattn.attention._modifiers import score_modifiers
 from mmattn.kernels import block_sparse
 from mmattn.kernels.packed import is_jagged
 from mmattn.patterns import SparseMask
@@ -69,6 +70,11 @@ def _check_call(
         )
     if cache is not None:
         raise ValueError("attn_mask: a SparseMask does not take cache= (decode without it)")
+    if score_modifiers(module) is not None:
+        raise ValueError(
+            "attn_mask: a SparseMask does not take score modifiers (sinks, softcap, alibi); "
+            "give the module attn_mask=~mask.dense() instead"
+        )
     if num_extra_keys(module):
         raise ValueError(
             "attn_mask: a SparseMask does not combine with add_bias_kv / add_zero_attn (they "
