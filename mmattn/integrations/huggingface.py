@@ -18,12 +18,14 @@ padding and windows are silently dropped), and only the class-wide ``register`` 
 writing ``ALL_MASK_ATTENTION_FUNCTIONS[name] = fn`` puts it where transformers never looks.
 
 ``attention_forward`` runs mmattn's kernels: the dense one (fused SDPA or its explicit twin,
-``MMATTN_FUSED_ATTN``), the O(L·w) blocked band for sliding windows and the bucketed packed
-kernel for ``DataCollatorWithFlattening`` batches; see :mod:`mmattn.integrations._hf_patterns`
-for when each runs. gpt-oss's attention sinks (``s_aux``) and Gemma 2's soft cap
-(``softcap``) are score modifiers of every one of them (:mod:`mmattn.kernels.modifiers`),
-together with ``sliding_window``. An argument it cannot honour raises, naming the model and
-the argument; nothing is silently ignored.
+``MMATTN_FUSED_ATTN``), the O(L·w) blocked band for sliding windows, the bucketed packed
+kernel for ``DataCollatorWithFlattening`` batches and the block-sparse kernel for masks whose
+64-tiles are at least half empty (Gemma 3's images, windows over them, chunks); see
+:mod:`mmattn.integrations._hf_patterns` for when each runs. gpt-oss's attention sinks
+(``s_aux``) and Gemma 2's soft cap (``softcap``) are score modifiers of the dense, band and
+packed kernels (:mod:`mmattn.kernels.modifiers`), together with ``sliding_window``. An
+argument it cannot honour raises, naming the model and the argument; nothing is silently
+ignored.
 
 ``import mmattn`` never imports transformers; :func:`register` does, and raises ImportError
 naming the ``mmattn[hf]`` extra when it is missing.
@@ -40,6 +42,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn.integrations import _hf_patterns as _patterns
+from mmattn.integrations import _hf_sparse as _sparse
 from mmattn.kernels import dense as _kernel
 
 #: The name :func:`register` uses by default.
@@ -242,6 +245,14 @@ def attention_forward(
                     modifiers=mods,
                 )
                 return _heads_last(out), None
+    if mods is None and mask is not None and mask.dtype == torch.bool and q_len == k_len:
+        plan = _sparse.sparse_plan(mask, query)
+        if plan is not None:  # at least half of the mask's tiles are empty
+            out, weights = _sparse.run_sparse(
+                query, key, value, plan, dropout_p=dropout, scale=scaling,
+                need_weights=need_weights, groups=groups,
+            )
+            return _heads_last(out), weights
     if mask is not None and mask.dtype == torch.bool:
         mask = _patterns.key_rows(mask)
     out, weights = _kernel.attend(
