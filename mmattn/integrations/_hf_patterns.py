@@ -298,3 +298,8 @@ def score_modifiers(
         )
     mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
     return mods if mods else None
+
+
+def heads_last(out: Tensor) -> Tensor:
+    """(b, h, i, e) → (b, i, h, e), contiguous: the layout transformers expects back."""
+    return rearrange(out, "b h i e -> b i h e").contiguous()

@@ -54,11 +54,20 @@ def _classify(mask: Tensor, batch: int):
     return sparse_from_dense(rows, BLOCK, batch=batch, max_density=MAX_DENSITY)
 
 
-def run_sparse(
-    q: Tensor, k: Tensor, v: Tensor, plan: block_sparse.TilePlan, *, dropout_p: float,
-    scale: float, need_weights: bool, groups: int,
-) -> tuple[Tensor, Tensor | None]:
-    """Attention over the plan's tiles; (b, h, l, e) in and out, weights (b, h, l, l)."""
+def try_sparse(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, modifiers: object, *,
+    dropout_p: float, scale: float, need_weights: bool, groups: int,
+) -> tuple[Tensor, Tensor | None] | None:
+    """Attention over the non-empty tiles of a bool self-attention ``mask`` that is at least
+    half empty: (b, h, l, e) in and out, weights (b, h, l, l); None where the call runs on
+    another kernel (no such mask, or score modifiers, which this kernel does not apply)."""
+    if modifiers is not None or mask is None or mask.dtype != torch.bool:
+        return None
+    if q.shape[-2] != k.shape[-2]:
+        return None
+    plan = sparse_plan(mask, q)
+    if plan is None:
+        return None
     return block_sparse.attend(
         q, k, v, plan, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
         groups=groups,
