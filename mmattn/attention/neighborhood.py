@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from mmattn import _checks as checks
 from mmattn._helpers import default, exporting
 from mmattn.attention._decoding import refuse_chunk_cache
+from mmattn.attention._geo_modifiers import dense_terms, init_position_bias, position_table
+from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._neighborhood_geometry import (
     check_exportable,
     check_geometry,
@@ -31,7 +33,9 @@ from mmattn.attention._packed_checks import check_packed, check_values
 from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels._neighborhood_plan import build_plan
+from mmattn.kernels._neighborhood_terms import grid_coords, softmax_modifiers, tile_terms
 from mmattn.kernels.dense import attend, explicit_reasons, report, reporting
+from mmattn.kernels.modifiers import Modifiers, with_bias
 from mmattn.kernels.neighborhood import (
     choose_tiles,
     neighborhood_attend,
@@ -39,6 +43,7 @@ from mmattn.kernels.neighborhood import (
     packed_items,
 )
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
+from mmattn.relative_position import RelativePositionBias
 
 __all__ = ["NeighborhoodAttention"]
 
@@ -89,6 +94,13 @@ class NeighborhoodAttention(MultiHeadAttention):
         num_kv_heads: key/value heads (grouped-query attention), as :class:`MultiHeadAttention`.
         position: applied to q and k after the head split (e.g. ``"rotary"``), positions
             counted along each item's token order from 0.
+        sinks, softcap, alibi: score modifiers, as :class:`MultiHeadAttention`; ALiBi's
+            distance is Euclidean between grid cells (0 for a pair with a global token).
+        relative_position_bias: NAT's learned bias per relative offset in the window
+            (``rpb``): True builds a :class:`~mmattn.position.RelativePositionBias` for
+            ``kernel_size``; or pass one (``RelativePositionBias.from_nat(rpb)`` reads a NAT
+            checkpoint). Offsets count in units of the dilation, as NATTEN's; 0 for a pair
+            with a global token (docs/variants.md, "Score modifiers").
 
     Shape:
         - query: (B, L, D) or (L, D), or packed (B, L*, D); key, value: the same lengths
@@ -100,7 +112,8 @@ class NeighborhoodAttention(MultiHeadAttention):
 
     Raises:
         TypeError: ``kernel_size`` or ``dilation`` is not an int or a pair of ints.
-        ValueError: an even kernel, a kernel or dilation < 1, ``num_global_tokens`` < 0; in
+        ValueError: an even kernel, a kernel or dilation < 1, ``num_global_tokens`` < 0, a
+            ``relative_position_bias`` for another window or head count, ``softcap`` <= 0; in
             ``forward``: no ``grid``, a grid whose rows · cols does not match the tokens, a
             grid list of the wrong length, ``is_causal=True``, key and query lengths that
             differ, plus every check of :class:`MultiHeadAttention`.
@@ -137,6 +150,10 @@ class NeighborhoodAttention(MultiHeadAttention):
         dtype: torch.dtype | None = None,
         num_kv_heads: int | None = None,
         position: nn.Module | Callable[..., Tensor] | str | None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
+        relative_position_bias: bool | RelativePositionBias = False,
     ) -> None:
         self.kernel_size = checks.check_kernel("kernel_size", kernel_size)
         self.dilation = checks.check_pair("dilation", dilation, what="(rows, cols)")
@@ -146,9 +163,16 @@ class NeighborhoodAttention(MultiHeadAttention):
         super().__init__(
             embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,
-            position=position,
+            position=position, sinks=sinks, softcap=softcap, alibi=alibi,
         )
+        init_position_bias(self, relative_position_bias, device, dtype)
         self._call_geometry: tuple[Any, Any] | None = None
+
+    def reset_parameters(self) -> None:
+        """As :meth:`MultiHeadAttention.reset_parameters`, then the bias table (Swin's draw)."""
+        super().reset_parameters()
+        if getattr(self, "relative_position_bias", None) is not None:
+            self.relative_position_bias.reset_parameters()
 
     def extra_repr(self) -> str:
         parts = [super().extra_repr(), f"kernel_size={self.kernel_size}"]
@@ -156,6 +180,8 @@ class NeighborhoodAttention(MultiHeadAttention):
             parts.append(f"dilation={self.dilation}")
         if self.num_global_tokens:
             parts.append(f"num_global_tokens={self.num_global_tokens}")
+        if self.relative_position_bias is not None:
+            parts.append("relative_position_bias=True")
         return ", ".join(parts)
 
     def geometry(self, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -279,11 +305,21 @@ class NeighborhoodAttention(MultiHeadAttention):
                 qv.shape[0], items, self.kernel_size, self.dilation, tiles, qv.device
             )
             dropout_p = self.dropout if self.training else 0.0
+            mods, table = score_modifiers(self), position_table(self)
             if reporting():  # packed rows (the kernel reports the padded form itself)
-                report("neighborhood", explicit_reasons(need_weights), q=q, k=k, v=v,
-                       mask=None, dropout_p=dropout_p, plan=plan)
+                report("neighborhood", explicit_reasons(need_weights, mods), q=q, k=k, v=v,
+                       mask=None, dropout_p=dropout_p, plan=plan, modifiers=mods,
+                       position_bias=table)
+            term = None
+            if table is not None or (mods is not None and mods.slopes is not None):
+                term = tile_terms(
+                    plan, grid_coords(qv.shape[0], items, qv.device),
+                    slopes=None if mods is None else mods.slopes, table=table,
+                    kernel=self.kernel_size, dilation=self.dilation, dtype=q.dtype,
+                )
             out, weights = neighborhood_rows(
-                q, k, v, plan, dropout_p=dropout_p, need_weights=need_weights
+                q, k, v, plan, dropout_p=dropout_p, need_weights=need_weights, modifiers=mods,
+                term=term,
             )
         else:
             out = q.new_zeros(0, self.num_heads, self.head_dim)
@@ -323,9 +359,10 @@ class NeighborhoodAttention(MultiHeadAttention):
 
     def _attention(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool,
-        dropout_p: float, need_weights: bool,
+        dropout_p: float, need_weights: bool, modifiers: Modifiers | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         grid, grid_start = self._call_geometry
+        mods, table = default(modifiers, score_modifiers(self)), position_table(self)
         key_mask = None
         if mask is not None:
             if mask.shape[-2] != 1 or mask.shape[-3] != 1:  # an attn_mask: dense fallback
@@ -339,12 +376,18 @@ class NeighborhoodAttention(MultiHeadAttention):
                     mask = mask & allowed
                 else:
                     mask = torch.where(allowed, mask, float("-inf"))
-                return attend(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+                term = dense_terms(
+                    self, grid, grid_start, 1 if same else q.shape[0], q.shape[2],
+                    None if mods is None else mods.slopes, table, q.device, q.dtype,
+                )
+                return attend(q, k, v, with_bias(mask, term), dropout_p=dropout_p,
+                              need_weights=need_weights, modifiers=softmax_modifiers(mods))
             key_mask = mask[:, 0, 0]  # only key padding: (b, j), True = real key
         return neighborhood_attend(
             q, k, v, grid, self.kernel_size, dilation=self.dilation,
             num_global_tokens=self.num_global_tokens, grid_start=grid_start,
             key_mask=key_mask, dropout_p=dropout_p, need_weights=need_weights,
+            modifiers=mods, table=table,
         )
 
 

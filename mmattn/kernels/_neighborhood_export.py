@@ -22,6 +22,8 @@ from torch import Tensor
 
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._neighborhood_plan import Item, Plan, build_plan, merge_key_mask
+from mmattn.kernels._neighborhood_terms import grid_coords, softmax_modifiers
+from mmattn.kernels.modifiers import Modifiers, with_bias
 
 
 @contextlib.contextmanager
@@ -43,17 +45,29 @@ def static_plan(
         return build_plan(item.length, (item,), kernel, dilation, tiles, device)
 
 
+def static_coords(item: Item, device: torch.device) -> Tensor:
+    """The grid cells of one item's rows (:func:`~._neighborhood_terms.grid_coords`), built
+    outside any trace."""
+    with _outside_trace():
+        return grid_coords(item.length, (item,), device)
+
+
 def export_attend(
     q: Tensor, k: Tensor, v: Tensor, item: Item, kernel: tuple[int, int],
     dilation: tuple[int, int], tiles: tuple[int, int], key_mask: Tensor | None, *,
-    dropout_p: float = 0.0, scale: float | None = None,
+    dropout_p: float = 0.0, scale: float | None = None, modifiers: Modifiers | None = None,
+    term: Tensor | None = None,
 ) -> tuple[Tensor, None]:
     """Neighbourhood attention of a padded batch whose items share ``item``'s geometry.
+
+    ``modifiers`` (sinks, softcap) join every attention call, ``term`` (n, h, s, t), the
+    tiles' ALiBi / table term (:mod:`._neighborhood_terms`), every tile's mask.
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e); key_mask: (b, l) bool (True = real) or float
         - returns: (b, h, l, e) and None
     """
+    mods = softmax_modifiers(modifiers)
     plan = static_plan(item, kernel, dilation, tiles, q.device)
     n, slots, keys = plan.allowed.shape
     qz, kz, vz = (F.pad(t, (0, 0, 0, 1)) for t in (q, k, v))  # the zero row at index l
@@ -70,8 +84,10 @@ def export_attend(
         km_t = rearrange(km.index_select(1, plan.k_index), "b (n t) -> b n 1 t", n=n)
     mask = merge_key_mask(plan.allowed[None], km_t)  # (b or 1, n, s, t)
     mask = rearrange(mask.expand(batch, n, slots, keys), "b n s t -> (b n) 1 s t")
-    out_t, _ = _kernel.attend(qt, kt, vt, mask, dropout_p=dropout_p, scale=scale,
-                              report_path=False)
+    if term is not None:  # the same term for every item
+        term = rearrange(term.expand(batch, *term.shape), "b n h s t -> (b n) h s t")
+    out_t, _ = _kernel.attend(qt, kt, vt, with_bias(mask, term), dropout_p=dropout_p,
+                              scale=scale, report_path=False, modifiers=mods)
     parts = [rearrange(out_t, "(b n) h s e -> b h (n s) e", b=batch)]
     if plan.gq_index.numel():  # the item's global queries attend every live key
         gq = qz.index_select(2, plan.gq_index[0])
@@ -81,7 +97,7 @@ def export_attend(
         if km is not None:
             gm = merge_key_mask(gm, km.index_select(1, plan.gk_index[0])[:, None, None, :])
         out_g, _ = _kernel.attend(gq, gk, gv, gm, dropout_p=dropout_p, scale=scale,
-                                  report_path=False)
+                                  report_path=False, modifiers=mods)
         parts.append(out_g)
     parts.append(out_t.new_zeros(batch, q.shape[1], 1, v.shape[-1]))
     return torch.cat(parts, dim=2).index_select(2, plan.pick), None

@@ -32,13 +32,13 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
 from mmattn._helpers import exporting
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._neighborhood_export import export_attend as _export_attend
+from mmattn.kernels._neighborhood_export import static_coords, static_plan
 from mmattn.kernels._neighborhood_plan import (
     TILE_CHOICES,
     Item,
@@ -47,6 +47,8 @@ from mmattn.kernels._neighborhood_plan import (
     build_plan,
     merge_key_mask,
 )
+from mmattn.kernels._neighborhood_terms import grid_coords, softmax_modifiers, tile_terms
+from mmattn.kernels.modifiers import Modifiers, with_bias
 
 __all__ = [
     "Item",
@@ -154,6 +156,8 @@ def neighborhood_rows(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
+    modifiers: Modifiers | None = None,
+    term: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Unchecked neighbourhood attention on flat rows, after :func:`build_plan`.
 
@@ -164,11 +168,16 @@ def neighborhood_rows(
         dropout_p: dropout on the attention weights.
         scale: score scale; default ``1 / sqrt(e)``.
         need_weights: also return each row's weights over its item's tokens.
+        modifiers: sinks and softcap (:mod:`mmattn.kernels.modifiers`; their ALiBi, if
+            any, is ignored here: the grid's comes in ``term``).
+        term: (n, h, s, t) additive ALiBi / table term of the tiles
+            (:mod:`._neighborhood_terms`); global queries get none.
 
     Shape:
         - q: (r, h, e); k: (r, k, e); v: (r, k, e_v) with ``k`` dividing ``h``
         - returns: (r, h, e_v), and weights (r, h, plan.width) or None
     """
+    mods = softmax_modifiers(modifiers)
     heads, width = q.shape[1], q.shape[2]
     scale = 1.0 / math.sqrt(width) if scale is None else scale
     n, slots, keys = plan.allowed.shape
@@ -182,18 +191,21 @@ def neighborhood_rows(
     km_t = None
     if km is not None:
         km_t = rearrange(km.index_select(0, plan.k_index), "(n t) -> n 1 t", n=n)
-    if km is None and not need_weights and _kernel.use_fused_attn():
+    if km is None and not need_weights and _kernel.use_fused_attn() and not (
+        mods is not None and mods.explicit
+    ):
         # No key mask: every real query sees itself, every empty slot sees all; no dead row.
-        out_t = F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=additive_mask(plan, qt.dtype), dropout_p=dropout_p, scale=scale,
-            enable_gqa=qt.shape[1] != kt.shape[1],
+        out_t = _kernel.sdpa(
+            qt, kt, vt, with_bias(additive_mask(plan, qt.dtype), term), dropout_p=dropout_p,
+            scale=scale, groups=qt.shape[1] // kt.shape[1], dead_rows=False,
+            sinks=None if mods is None else mods.sinks,
         )
         w_t = None
     else:
         mask = rearrange(merge_key_mask(plan.allowed, km_t), "n s t -> n 1 s t")
         out_t, w_t = _kernel.attend(
-            qt, kt, vt, mask, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
-            report_path=False,
+            qt, kt, vt, with_bias(mask, term), dropout_p=dropout_p, scale=scale,
+            need_weights=need_weights, report_path=False, modifiers=mods,
         )
     parts = [rearrange(out_t, "n h s e -> (n s) h e")]
     w_g = None
@@ -206,7 +218,7 @@ def neighborhood_rows(
             gm = merge_key_mask(gm, rearrange(km[plan.gk_index], "b j -> b 1 1 j"))
         out_g, w_g = _kernel.attend(
             gq, gk, gv, gm, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
-            report_path=False,
+            report_path=False, modifiers=mods,
         )
         parts.append(rearrange(out_g, "b h g e -> (b g) h e"))
     parts.append(out_t.new_zeros(1, heads, v.shape[-1]))
@@ -259,6 +271,8 @@ def neighborhood_attend(
     scale: float | None = None,
     need_weights: bool = False,
     tiles: tuple[int, int] | None = None,
+    modifiers: Modifiers | None = None,
+    table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Unchecked neighbourhood attention on a padded batch of head-split tensors.
 
@@ -274,6 +288,10 @@ def neighborhood_attend(
         dropout_p, scale: as :func:`mmattn.kernels.dense.attend`.
         need_weights: also return the dense (b, h, l, l) weights (O(l²) memory).
         tiles: tile shape; default :func:`choose_tiles`.
+        modifiers: sinks, softcap and ALiBi; ALiBi's distance is Euclidean between grid
+            cells, 0 for a pair with a global token (:mod:`._neighborhood_terms`).
+        table: ((2 kh − 1)(2 kw − 1), h) relative-position bias table in Swin's layout
+            (NAT's ``rpb``), or None.
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e) with ``k`` dividing ``h``
@@ -296,8 +314,12 @@ def neighborhood_attend(
             "neighborhood", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v,
             mask=key_mask, dropout_p=dropout_p, is_causal=False, scale=scale,
             kernel_size=kernel_size, dilation=dilation, num_global_tokens=num_global_tokens,
-            grid=grid, grid_start=grid_start,
+            grid=grid, grid_start=grid_start, modifiers=modifiers if modifiers else None,
+            position_bias=table,
         )
+    slopes = modifiers.slopes if modifiers else None
+    terms = {"slopes": slopes, "table": table, "kernel": tuple(kernel_size),
+             "dilation": tuple(dilation), "dtype": q.dtype}
     if traced:
         if need_weights:
             raise NotImplementedError(
@@ -310,19 +332,26 @@ def neighborhood_attend(
             )
         kernel, dil = tuple(kernel_size), tuple(dilation)
         tiles = tiles or choose_tiles(items[:1], kernel, dil)  # plain Python on ints
+        term = None
+        if slopes is not None or table is not None:
+            plan = static_plan(items[0], kernel, dil, tiles, q.device)
+            term = tile_terms(plan, static_coords(items[0], q.device), **terms)
         return _export_attend(
             q, k, v, items[0], kernel, dil, tiles, key_mask,
-            dropout_p=dropout_p, scale=scale,
+            dropout_p=dropout_p, scale=scale, modifiers=modifiers, term=term,
         )
     if batch == 0 or length == 0:
         return _kernel.attend(q, k, v, None, need_weights=need_weights, report_path=False)
     tiles = tiles or choose_tiles(items, tuple(kernel_size), tuple(dilation))
     plan = build_plan(batch * length, items, tuple(kernel_size), tuple(dilation), tiles, q.device)
+    term = None
+    if slopes is not None or table is not None:
+        term = tile_terms(plan, grid_coords(batch * length, items, q.device), **terms)
     rows = [rearrange(t, "b h l e -> (b l) h e") for t in (q, k, v)]
     key_rows = None if key_mask is None else key_mask.reshape(-1)
     out, weights = neighborhood_rows(
         *rows, plan, key_mask=key_rows, dropout_p=dropout_p, scale=scale,
-        need_weights=need_weights,
+        need_weights=need_weights, modifiers=modifiers, term=term,
     )
     out = rearrange(out, "(b l) h e -> b h l e", b=batch)
     if weights is not None:
