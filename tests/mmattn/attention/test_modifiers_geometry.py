@@ -7,7 +7,8 @@ own projections, with NATTEN's window and ``rpb`` indexing (``get_window_start``
 a dense mask: scores → softcap → ALiBi (Euclidean in grid cells, 0 with a global token) + the
 table → mask → softmax with the sink column → weights · V. Outputs, input gradients and the
 gradients of ``sinks``, the table and ``edge_bias`` agree within 1e-5 on the fused and the
-explicit path, dead rows included (zero, finite gradients).
+explicit path, dead rows included (zero, finite gradients). torch.export and ONNX Runtime
+are the ``neighborhood_modifiers`` case of tests/mmattn/integrations/_export_cases.py.
 """
 
 from __future__ import annotations
@@ -150,9 +151,15 @@ def _check(got, want, out, dead, bias):
         torch.testing.assert_close(out[dead], bias.expand_as(out[dead]))
 
 
+#: each modifier alone on the first geometry; the table where dilation counts; all of them
+#: on every geometry
+PAIRS = [("globals", m) for m in MODS] + [
+    ("dilated_gqa", "table"), ("dilated_gqa", "all"), ("grids", "alibi"), ("grids", "all"),
+]
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
-@pytest.mark.parametrize("mods", list(MODS))
-@pytest.mark.parametrize("name", list(NEIGHBORHOOD))
+@pytest.mark.parametrize(("name", "mods"), PAIRS)
 def test_neighborhood_modifiers_equal_the_float64_reference(name, mods, fused):
     module, x, padding, grid, nat = _neighborhood_case(name, MODS[mods])
     x.requires_grad_()
@@ -202,20 +209,6 @@ def test_neighborhood_packed_items_equal_each_item_alone():
     out, _ = module(packed, grid=grids)
     for item, g, got in zip(items, grids, out.unbind()):
         torch.testing.assert_close(got, module(item[None], grid=g)[0][0], atol=1e-5, rtol=0)
-
-
-def test_neighborhood_exports_with_modifiers():
-    module, x, padding, grid, _ = _neighborhood_case("globals", MODS["all"])
-    batch = torch.export.Dim("batch", min=1, max=8)
-    program = torch.export.export(
-        module.eval(), (x,), {"key_padding_mask": padding, "grid": grid},
-        dynamic_shapes={"query": {0: batch}, "key_padding_mask": {0: batch},
-                        "grid": (None, None)},
-    )
-    x3, pad3 = torch.cat([x, x[:1]]), torch.cat([padding, padding[:1]])
-    got = program.module()(x3, key_padding_mask=pad3, grid=grid)[0]
-    torch.testing.assert_close(got, module(x3, key_padding_mask=pad3, grid=grid)[0],
-                               atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------- edges
