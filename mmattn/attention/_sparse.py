@@ -7,7 +7,7 @@ head width.
 is the module's own (projections, ``position``, ``key_padding_mask``, ``is_causal``,
 dropout, weights), with the attention step run by :mod:`mmattn.kernels.block_sparse` over
 the mask's non-empty tiles; it equals the module with ``attn_mask=(~mask.dense())
-.repeat_interleave(num_heads, 0)``.
+.repeat_interleave(num_heads, 0)``, score modifiers included (ALiBi on the token index).
 
 A layer says whether it takes a SparseMask with the class attribute ``takes_sparse_mask``
 (default: whether it keeps MultiHeadAttention's plain attention step); layers with their own
@@ -70,11 +70,6 @@ def _check_call(
         )
     if cache is not None:
         raise ValueError("attn_mask: a SparseMask does not take cache= (decode without it)")
-    if score_modifiers(module) is not None:
-        raise ValueError(
-            "attn_mask: a SparseMask does not take score modifiers (sinks, softcap, alibi); "
-            "give the module attn_mask=~mask.dense() instead"
-        )
     if num_extra_keys(module):
         raise ValueError(
             "attn_mask: a SparseMask does not combine with add_bias_kv / add_zero_attn (they "
@@ -131,7 +126,7 @@ def sparse_forward(
     out, weights = _attend(
         q, k, v, attn_mask, module.embed_dim, key_mask=key_mask, is_causal=is_causal,
         dropout_p=module.dropout if module.training else 0.0, need_weights=need_weights,
-        groups=module.num_heads // module.num_kv_heads,
+        groups=module.num_heads // module.num_kv_heads, modifiers=score_modifiers(module),
     )
     out = module.out_proj(rearrange(out, "b h l e -> b l (h e)"))
     if not batched:

@@ -60,8 +60,9 @@ def try_sparse(
 ) -> tuple[Tensor, Tensor | None] | None:
     """Attention over the non-empty tiles of a bool self-attention ``mask`` that is at least
     half empty: (b, h, l, e) in and out, weights (b, h, l, l); None where the call runs on
-    another kernel (no such mask, or score modifiers, which this kernel does not apply)."""
-    if modifiers is not None or mask is None or mask.dtype != torch.bool:
+    another kernel (no such mask). ``modifiers`` (gpt-oss's ``s_aux``, a softcap) run on
+    the tiles."""
+    if mask is None or mask.dtype != torch.bool:
         return None
     if q.shape[-2] != k.shape[-2]:
         return None
@@ -70,5 +71,5 @@ def try_sparse(
         return None
     return block_sparse.attend(
         q, k, v, plan, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
-        groups=groups,
+        groups=groups, modifiers=modifiers,
     )

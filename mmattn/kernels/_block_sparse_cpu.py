@@ -15,6 +15,12 @@ anyway), the merged output and logsumexp; the backward gathers again into buffer
 live on the plan (a fresh buffer costs page faults that take longer than the copy). Rows
 without an allowed key in a bucket are opened in its mask (dense.py's policy), count for
 nothing in the merge and get a zero gradient; rows without any key at all come out zero.
+
+Attention sinks (a logit σ_h per head, a key of value zero) cost one step after the merge:
+with the row's logsumexp ℓ, ``out · exp(ℓ − ℓ')`` with ``ℓ' = logaddexp(ℓ, σ_h)`` is the
+sinked output, and every part's flash backward given ``ℓ'`` and that output is the exact
+backward with the sink (the weights it recomputes are the sinked ones), plus
+``dσ_h = −Σ_i exp(σ_h − ℓ'_i) · Σ_f dout_if · out_if`` (:mod:`mmattn.kernels.modifiers`).
 """
 
 from __future__ import annotations
@@ -109,14 +115,16 @@ def merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None
 
 
 class TileAttention(torch.autograd.Function):
-    """``apply(q2, k2, v2, rects, buckets, masks, heads, kv_heads, scale, workspace)`` on
-    flat rows q2 (r, h e), k2 (r, k e), v2 (r, k f); returns (r, h f).
+    """``apply(q2, k2, v2, sinks, rects, buckets, masks, heads, kv_heads, scale, workspace)``
+    on flat rows q2 (r, h e), k2 (r, k e), v2 (r, k f); returns (r, h f).
 
-    ``masks`` holds one (additive mask with dead rows opened, live rows or None) per bucket.
+    ``masks`` holds one (additive mask with dead rows opened, live rows or None) per bucket
+    (an ALiBi term is already in it); ``sinks`` (h,) or None.
     """
 
     @staticmethod
-    def forward(ctx, q2, k2, v2, rects, buckets, masks, heads, kv_heads, scale, workspace):
+    def forward(ctx, q2, k2, v2, sinks, rects, buckets, masks, heads, kv_heads, scale,
+                workspace):
         groups = heads // kv_heads
         f = v2.shape[1] // kv_heads
         acc = torch.promote_types(q2.dtype, torch.float32)
@@ -137,18 +145,25 @@ class TileAttention(torch.autograd.Function):
                                     _heads(v2[r.k0:r.k1], kv_heads), groups),
                            0.0, False, scale=scale)
             merge_into(out[r.q0:r.q1], lse[r.q0:r.q1], o[0].transpose(0, 1), l_[0].T)
+        if sinks is not None:  # rows without keys: exp(-inf) = 0, they stay zero
+            total = torch.logaddexp(lse, sinks.to(acc))
+            out, lse = out * torch.exp(lse - total)[..., None], total
         out = out.to(q2.dtype)
-        ctx.save_for_backward(q2, k2, v2, out, lse)
+        ctx.save_for_backward(q2, k2, v2, out, lse, sinks)
         ctx.rects, ctx.buckets, ctx.masks = rects, buckets, masks
         ctx.heads, ctx.kv_heads, ctx.scale, ctx.workspace = heads, kv_heads, scale, workspace
         return out.view(q2.shape[0], -1)
 
     @staticmethod
     def backward(ctx, grad):
-        q2, k2, v2, out, lse = ctx.saved_tensors
+        q2, k2, v2, out, lse, sinks = ctx.saved_tensors
         heads, kv_heads, scale, workspace = ctx.heads, ctx.kv_heads, ctx.scale, ctx.workspace
         groups = heads // kv_heads
         grad = grad.contiguous()
+        dsinks = None
+        if sinks is not None:  # lse is finite here (logaddexp with σ); dead rows: out = 0
+            rowsum = (grad.view(out.shape).to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+            dsinks = -(torch.exp(sinks.to(lse.dtype) - lse) * rowsum).sum(0).to(sinks.dtype)
         lse = torch.where(torch.isneginf(lse), 0.0, lse).to(torch.promote_types(
             q2.dtype, torch.float32))  # rows without keys: any finite value (their grad is 0)
         out2 = out.view(q2.shape[0], -1)
@@ -178,7 +193,7 @@ class TileAttention(torch.autograd.Function):
             _scatter(dq, t, gq, block)
             _scatter(dk, bucket.k_tiles, gk, block)
             _scatter(dv, bucket.k_tiles, gv, block)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 def _scatter(target: Tensor, tiles: Tensor, x: Tensor, block: int) -> None:

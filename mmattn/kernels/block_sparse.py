@@ -22,6 +22,11 @@ Rows without any allowed key follow dense.py's one dead-row policy: opened befor
 softmax, set to zero after (``live_rows`` / ``open_dead_rows``). Keys that no query may
 attend (padding) are zeroed first, so a NaN stored there cannot reach a real output. Query
 tiles without any key tile are never computed; their rows are zero.
+
+Score modifiers: ALiBi is an (N, h, s, c s) term per bucket on the token index of the item,
+added to the tile mask; sinks follow the CPU path's logsumexp merge (``TileAttention``), or
+else each bucket's call (a query tile's key tiles are all in one bucket); softcap is the
+explicit path, tile by tile.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from mmattn._helpers import exporting
 from mmattn.kernels import dense as _dense
 from mmattn.kernels import packed as _packed
 from mmattn.kernels._block_sparse_cpu import DTYPES, TileAttention, rectangles
+from mmattn.kernels.modifiers import Modifiers
 
 #: Items the bucket planner sees at most (query tiles of equal count are grouped to fit).
 PLAN_ITEMS = 64
@@ -254,6 +260,7 @@ def attend(
     scale: float | None = None,
     need_weights: bool = False,
     groups: int = 1,
+    modifiers: Modifiers | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention over the planned tiles only (unchecked; the layer validates).
 
@@ -264,6 +271,8 @@ def attend(
         key_mask: (b, j) bool (True = may attend) or float (added), ANDed with the tiles.
         is_causal: also key j <= query i.
         dropout_p, scale, need_weights: as :func:`mmattn.kernels.dense.attend`.
+        modifiers: sinks, softcap and ALiBi (ALiBi on the token index, see the module
+            docstring; positions or a term set on the Modifiers are refused).
 
     Shape:
         - q: (b, h, i, e); k: (b, k, i, e); v: (b, k, i, e_v) — self-attention, i = j = L
@@ -274,12 +283,15 @@ def attend(
     s, padded = plan.block, plan.padded
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    explicit = need_weights or not _dense.use_fused_attn()
+    mods = _check_modifiers(modifiers)
+    explicit = need_weights or not _dense.use_fused_attn() or (mods is not None and mods.explicit)
+    sinks = None if mods is None else mods.sinks
+    alibi = mods is not None and mods.slopes is not None
     if _dense.reporting():
         _dense.report(
-            "block-sparse", _dense.explicit_reasons(need_weights), q=q, k=k, v=v, mask=None,
-            dropout_p=dropout_p, is_causal=is_causal, scale=scale, density=plan.density,
-            block=s, groups=groups,
+            "block-sparse", _dense.explicit_reasons(need_weights, mods), q=q, k=k, v=v,
+            mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            density=plan.density, block=s, groups=groups, modifiers=mods,
         )
     key_ok, key_add = _key_rows(key_mask, padded)
     q2, k2, v2 = _rows(q, padded), _rows(k, padded), _rows(v, padded)
@@ -288,11 +300,12 @@ def attend(
         k2, v2 = torch.where(seen[:, None], k2, 0.0), torch.where(seen[:, None], v2, 0.0)
     extra = key_ok is not None or key_add is not None or is_causal
     if _fast(q, v, explicit, dropout_p, key_add):  # the CPU flash kernel, memory-lean
-        rects, buckets = ([], plan.buckets) if extra else fast_parts(plan)
-        masks = [_fused_mask(bk, extra, key_ok, key_add, is_causal, padded, q.dtype)
-                 for bk in buckets]
+        # (ALiBi: every pair has its own term, so no rectangles without a mask)
+        rects, buckets = ([], plan.buckets) if extra or alibi else fast_parts(plan)
+        masks = [_with_alibi(_fused_mask(bk, extra, key_ok, key_add, is_causal, padded,
+                                         q.dtype), bk, mods, padded) for bk in buckets]
         out = TileAttention.apply(
-            q2, k2, v2, rects, buckets, masks, heads, kv_heads, scale, plan.workspace)
+            q2, k2, v2, sinks, rects, buckets, masks, heads, kv_heads, scale, plan.workspace)
         return out.view(batch, padded, heads, ev)[:, :length].transpose(1, 2), None
     sizes_q = [bk.q_tiles.shape[0] for bk in plan.buckets]
     sizes_k = [bk.k_tiles.shape[0] for bk in plan.buckets]
@@ -316,19 +329,23 @@ def attend(
             if key_add is not None:
                 mask = torch.where(allowed, 0.0, float("-inf")).to(q.dtype)
                 mask = mask + key_add[bucket.k_rows].view(tiles, 1, 1, width).to(q.dtype)
+            call_mods = None if mods is None else mods.with_terms(
+                alibi_term(bucket, mods, padded, q.dtype))
             out, w = _dense.attend(
                 qb, kb, vb, mask, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
-                report_path=False, groups=groups,
+                report_path=False, groups=groups, modifiers=call_mods,
             )
             if weights is not None:
                 w = w.view(tiles, heads, s, bucket.count, s).permute(0, 3, 1, 2, 4)
                 slot = bucket.slots
                 weights.index_put_((slot[..., 0], slot[..., 1], slot[..., 2]), w, accumulate=True)
         else:
-            mask, live = _fused_mask(bucket, extra, key_ok, key_add, is_causal, padded, q.dtype)
+            mask, live = _with_alibi(
+                _fused_mask(bucket, extra, key_ok, key_add, is_causal, padded, q.dtype),
+                bucket, mods, padded)
             out = _dense.sdpa(
                 qb, kb, vb, mask, dropout_p=dropout_p, scale=scale, groups=groups,
-                dead_rows=False,
+                dead_rows=False, sinks=sinks,
             )
             if live is not None:
                 out = torch.where(live, out, 0.0)
@@ -407,3 +424,26 @@ def _call_allowed(
         k_pos = (bucket.k_rows % padded).view(tiles, 1, 1, width)
         allowed = allowed & (k_pos <= q_pos)
     return allowed
+
+
+def _check_modifiers(modifiers: Modifiers | None) -> Modifiers | None:
+    """The call's modifiers (None when empty); ALiBi is measured here, on token indices."""
+    if modifiers and any(x is not None for x in (modifiers.q_pos, modifiers.k_pos,
+                                                 modifiers.bias)):
+        raise ValueError("modifiers: the block-sparse kernel measures ALiBi on token indices; "
+                         "it takes no q_pos, k_pos or bias")
+    return modifiers if modifiers else None
+
+
+def alibi_term(bucket: Bucket, mods: Modifiers | None, padded: int, dtype: torch.dtype):
+    """A bucket's ALiBi term (N, h, s, c s) on each item's token index, or None."""
+    if mods is None or mods.slopes is None:
+        return None
+    return mods.alibi(*((rows % padded).view(bucket.tiles, -1, 1)
+                        for rows in (bucket.q_rows, bucket.k_rows)), dtype)
+
+
+def _with_alibi(parts: tuple, bucket: Bucket, mods: Modifiers | None, padded: int) -> tuple:
+    """A bucket's (additive mask, live rows) with the ALiBi term added to the mask."""
+    bias = alibi_term(bucket, mods, padded, parts[0].dtype)
+    return parts if bias is None else (parts[0] + bias, parts[1])

@@ -178,9 +178,6 @@ def test_a_mask_for_another_call_is_refused():
         module(x, attn_mask=mask, cache=module.make_cache(B, L))
     with pytest.raises(ValueError, match="does not combine with add_bias_kv"):
         MultiHeadAttention(D, H, add_bias_kv=True)(x, attn_mask=mask)
-    for modifier in ({"sinks": True}, {"softcap": 30.0}, {"alibi": True}):
-        with pytest.raises(ValueError, match="a SparseMask does not take score modifiers"):
-            MultiHeadAttention(D, H, **modifier)(x, attn_mask=mask)
     with pytest.raises(ValueError, match="a SparseMask runs on padded input"):
         module(tokens.pack().x, attn_mask=mask)
 
