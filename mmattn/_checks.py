@@ -16,6 +16,7 @@ parameters. Modules call these; they do not spell their own checks.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -316,9 +317,28 @@ def check_kernel(name: str, value: object) -> tuple[int, int]:
 
 
 def check_grid(name: str, value: object) -> tuple[int, int]:
-    """A (rows, cols) pair of ints >= 1, as a tuple of Python ints."""
+    """A (rows, cols) pair of ints >= 1, as a tuple of Python ints.
+
+    Raises TypeError for a side that is not an int (``2.5``, ``2.0``, ``True``: nothing is
+    rounded or taken as 1), ValueError for a side < 1.
+    """
     if isinstance(value, Tensor):
+        if value.dim() != 1 or not is_integer_dtype(value.dtype):
+            raise TypeError(
+                f"{name} must be a (rows, cols) pair of ints, got a tensor of shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}"
+            )
         value = value.tolist()
     if not isinstance(value, (tuple, list, torch.Size)) or len(value) != 2:
         raise TypeError(f"{name} must be a (rows, cols) pair, got {value!r}")
-    return check_pair(name, tuple(int(v) for v in value), what="(rows, cols)")
+    return check_pair(name, tuple(_grid_side(v) for v in value), what="(rows, cols)")
+
+
+def _grid_side(value: object) -> object:
+    """A grid side as a Python int: ints, 0-D integer tensors and integer scalars (NumPy's)
+    pass; a float (``2.5``, or ``2.0``) or a bool stays as it is, for the check to refuse."""
+    if isinstance(value, Tensor) and value.dim() == 0 and is_integer_dtype(value.dtype):
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)  # numpy.int64 and friends
+    return value

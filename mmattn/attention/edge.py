@@ -19,6 +19,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mmattn import _checks as checks
 from mmattn._helpers import default, exporting
 from mmattn.attention import _edges
 from mmattn.attention._fx import fx_leaf
@@ -82,6 +83,7 @@ class EdgeAttention(MultiHeadAttention):
           or (B, H, L, S); packed: a list of per-item (l_m, s_m) or (H, l_m, s_m)
 
     Raises:
+        TypeError: ``add_self_loops`` is not a bool (``"no"`` or None are refused).
         ValueError / TypeError: ``edge_index`` of the wrong shape or dtype, ids negative
             or out of range, an edge between two items of the batch; ``edge_bias`` of the
             wrong shape or with duplicate edges; ``attn_mask`` or ``is_causal`` given (the
@@ -118,7 +120,7 @@ class EdgeAttention(MultiHeadAttention):
         dtype: torch.dtype | None = None,
         num_kv_heads: int | None = None,
     ) -> None:
-        self.add_self_loops = bool(add_self_loops)
+        self.add_self_loops = checks.check_bool("add_self_loops", add_self_loops)
         super().__init__(
             embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,

@@ -119,7 +119,7 @@ class TransformerBlock(nn.Module):
         self.num_heads = num_heads
         self.mlp_ratio = mlp_ratio
         self.attention = label
-        self.causal = bool(causal)
+        self.causal = checks.check_bool("causal", causal)
         self.window_size = window_size
         self.norm1 = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
         self.attn = build_attention(

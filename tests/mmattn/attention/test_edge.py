@@ -332,6 +332,14 @@ def test_bad_input_names_the_problem():
         edge.make_cache(1, 4)
 
 
+@pytest.mark.parametrize("flag", ["no", None, 1, torch.tensor(True)])
+def test_add_self_loops_must_be_a_bool(flag):
+    # "no" was taken as True and None as False
+    name = type(flag).__name__
+    with pytest.raises(TypeError, match=f"add_self_loops must be a bool, got {name}"):
+        EdgeAttention(D, H, add_self_loops=flag)
+
+
 def test_registry_and_repr():
     from mmattn.registry import build_attention
 

@@ -210,6 +210,10 @@ def test_forward_errors():
         nbhd(x, grid=[(4, 5)] * 3)
     with pytest.raises(ValueError, match="grid must be given"):
         nbhd(x)
+    with pytest.raises(TypeError, match=r"grid\[0\] must be an int, got float \(2.5\)"):
+        nbhd(torch.randn(2, 17, D), grid=(2.5, 8))  # not rounded to (2, 8)
+    with pytest.raises(TypeError, match=r"grid\[1\]\[0\] must be an int, got bool"):
+        nbhd(torch.randn(2, 17, D), grid=[(2, 8), (True, 16)])
     with pytest.raises(ValueError, match=r"grid \(5, 5\) of item 1 .* or more, got 21"):
         nbhd(x, grid=[(4, 5), (5, 5)])
     with pytest.raises(ValueError, match="key of the same length"):

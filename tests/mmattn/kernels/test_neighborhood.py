@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,12 +68,25 @@ def test_mask_matches_naive_definition(case):
     ({"grid": (4, 4), "kernel_size": 3, "dilation": 0}, ValueError, r"dilation\[0\] must be >= 1"),
     ({"grid": (0, 4), "kernel_size": 3}, ValueError, r"grid\[0\] must be >= 1"),
     ({"grid": 4, "kernel_size": 3}, TypeError, "grid must be a .rows, cols. pair"),
+    # sides are checked, never coerced: 2.5 is not rounded to 2, True is not taken as 1
+    ({"grid": (2.5, 4), "kernel_size": 3}, TypeError, r"grid\[0\] must be an int, got float"),
+    ({"grid": (4, 2.0), "kernel_size": 3}, TypeError, r"grid\[1\] must be an int, got float"),
+    ({"grid": (True, 4), "kernel_size": 3}, TypeError, r"grid\[0\] must be an int, got bool"),
+    ({"grid": torch.tensor([2.0, 4.0]), "kernel_size": 3}, TypeError,
+     "grid must be a .rows, cols. pair of ints, got a tensor .* torch.float32"),
     ({"grid": (4, 4), "kernel_size": 3, "num_global_tokens": -1}, ValueError,
      "num_global_tokens must be >= 0"),
 ])
 def test_mask_named_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         neighborhood_mask(**kwargs)
+
+
+def test_mask_takes_integer_sides_of_any_integer_type():
+    want = neighborhood_mask((3, 4), 3)
+    for grid in (torch.tensor([3, 4]), (torch.tensor(3), torch.tensor(4)),
+                 (np.int64(3), np.int32(4))):
+        assert torch.equal(neighborhood_mask(grid, 3), want)
 
 
 def test_every_query_sees_the_same_number_of_keys():
