@@ -235,6 +235,20 @@ def test_empty_inputs():
     assert edge(nothing, edge_index=empty)[0].shape == (1, 0, D)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_batch_of_zero_gives_an_empty_result(fused):
+    # einops raised ZeroDivisionError here; every other layer returns (0, L, D)
+    edge = EdgeAttention(D, H, batch_first=False)
+    empty = torch.empty(2, 0, dtype=torch.long)
+    x = torch.randn(3, 0, D, requires_grad=True)  # (L, B, D), B = 0
+    with fused_attn(fused):
+        out, weights = edge(x, edge_index=empty, need_weights=True)
+        out.sum().backward()
+    assert out.shape == (3, 0, D) and weights.shape == (0, 3, 3) and x.grad.shape == x.shape
+    want = MultiHeadAttention(D, H, batch_first=False)(x, x, x)[0]
+    assert out.shape == want.shape
+
+
 def test_dropout_on_probabilities():
     x, mask, edge_index = graph_batch()
     edge = EdgeAttention(D, H, dropout=0.5, dtype=x.dtype)
