@@ -21,23 +21,27 @@ from torch import Tensor, nn
 from mmattn import _checks as checks
 from mmattn._helpers import default, exporting
 from mmattn.attention._decoding import refuse_chunk_cache
+from mmattn.attention._fx import fx_leaf
+from mmattn.attention._inputs import from_batch_first, to_batch_first
 from mmattn.attention._neighborhood_geometry import (
     check_exportable,
     check_geometry,
     dense_allowed,
     grid_from_meta,
+    is_grid_list,
 )
 from mmattn.attention._packed_checks import check_packed, check_values
 from mmattn.attention.mha import MultiHeadAttention
-from mmattn.kernels._neighborhood_plan import build_plan
 from mmattn.kernels.dense import attend, explicit_reasons, report, reporting
 from mmattn.kernels.neighborhood import (
+    build_plan,
     choose_tiles,
     neighborhood_attend,
     neighborhood_rows,
     packed_items,
 )
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
+from mmattn.masks import merge_masks
 
 __all__ = ["NeighborhoodAttention"]
 
@@ -147,7 +151,6 @@ class NeighborhoodAttention(MultiHeadAttention):
             batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,
             position=position,
         )
-        self._call_geometry: tuple[Any, Any] | None = None
 
     def extra_repr(self) -> str:
         parts = [super().extra_repr(), f"kernel_size={self.kernel_size}"]
@@ -195,7 +198,17 @@ class NeighborhoodAttention(MultiHeadAttention):
 
         ``grid`` is required (keyword-only); ``grid_start`` (default ``num_global_tokens``)
         is the index of the grid's first token, and with it every other token is global.
+        The geometry travels with the call (never stored on the module), so one module may
+        serve several threads with different grids at once.
         """
+        traced = fx_leaf(self, (query,), {
+            "key": key, "value": value, "key_padding_mask": key_padding_mask,
+            "need_weights": need_weights, "attn_mask": attn_mask,
+            "average_attn_weights": average_attn_weights, "is_causal": is_causal,
+            "grid": grid, "grid_start": grid_start,
+        })
+        if traced is not None:  # torch.fx: one call_module node (see attention/_fx.py)
+            return traced
         _check_not_causal(is_causal)
         if is_jagged(query) or is_jagged(key) or is_jagged(value):
             key = default(key, query)
@@ -209,14 +222,32 @@ class NeighborhoodAttention(MultiHeadAttention):
                 average_attn_weights,
             )
             return jagged(out, q_off), weights
-        self._call_geometry = (grid, grid_start)
-        try:
-            return super().forward(
-                query, key, value, key_padding_mask, need_weights, attn_mask,
-                average_attn_weights, False,
+        if isinstance(query, Tensor) and query.is_nested:
+            raise ValueError(
+                "NeighborhoodAttention takes packed input as a jagged nested tensor "
+                "(layout=torch.jagged, as Tokens.pack makes it), got a strided one"
             )
-        finally:
-            self._call_geometry = None
+        key = default(key, query)
+        value = default(value, key)
+        batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        grid, grid_start = self._check_geometry(query, batched, grid, grid_start)
+        query, key, value, key_padding_mask = to_batch_first(
+            self, batched, query, key, value, key_padding_mask
+        )
+        q = rearrange(self.q_proj(query), "b l (h e) -> b h l e", h=self.num_heads)
+        k, v = self._project_kv(key, value)
+        if self.position is not None:
+            q, k = self.position(q, 0), self.position(k, 0)
+        mask = merge_masks(
+            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
+            dtype=q.dtype,
+        )
+        out, weights = self._windows(
+            q, k, v, mask, grid, grid_start, dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+        )
+        out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
+        return from_batch_first(self, batched, out, weights, average_attn_weights)
 
     def attend_rows(
         self,
@@ -303,27 +334,44 @@ class NeighborhoodAttention(MultiHeadAttention):
             query, key, value, key_padding_mask, attn_mask, is_causal
         )
         seq_dim = 1 if batched and self.batch_first else 0
-        length = query.shape[seq_dim]
-        if key.shape[seq_dim] != length:
+        if key.shape[seq_dim] != query.shape[seq_dim]:
             raise ValueError(
-                f"NeighborhoodAttention needs key of the same length as query ({length}), got "
-                f"key {tuple(key.shape)} and query {tuple(query.shape)}"
+                f"NeighborhoodAttention needs key of the same length as query "
+                f"({query.shape[seq_dim]}), got key {tuple(key.shape)} and query "
+                f"{tuple(query.shape)}"
             )
-        batch = query.shape[1 - seq_dim] if batched else 1
-        grid, grid_start = self._call_geometry or (None, None)
-        if not isinstance(batch, int) or not isinstance(length, int):
-            check_exportable(grid, grid_start, length)
-            batch = 1  # one grid for every item: checking one item checks them all
-        self._call_geometry = check_geometry(
-            grid, grid_start, [length] * batch, self.num_global_tokens, packed=False
-        )
         return batched
 
-    def _attention(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool,
-        dropout_p: float, need_weights: bool,
+    def _check_geometry(
+        self, query: Tensor, batched: bool, grid: Any, grid_start: Any
+    ) -> tuple[Any, Any]:
+        """The call's checked ``(grid, grid_start)`` for a padded (or unbatched) query."""
+        seq_dim = 1 if batched and self.batch_first else 0
+        length = query.shape[seq_dim]
+        batch = query.shape[1 - seq_dim] if batched else 1
+        if not isinstance(batch, int) or not isinstance(length, int):
+            check_exportable(grid, grid_start, length)
+        shared = not (is_grid_list(grid) or isinstance(grid_start, (Sequence, Tensor)))
+        # one grid for every item: checking one item checks them all (and, traced, no
+        # guard on the batch size)
+        return check_geometry(
+            grid, grid_start, [length] * (1 if shared else batch), self.num_global_tokens,
+            packed=False,
+        )
+
+    def _attention(self, *args: Any, **kwargs: Any) -> Any:
+        """Not used: :meth:`forward` passes the grid to the kernel with the call (a dense
+        attention here would silently ignore the window)."""
+        raise TypeError(
+            "NeighborhoodAttention attends through forward(..., grid=...): its attention step "
+            "needs the call's grid, which only forward has"
+        )
+
+    def _windows(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, grid: Any, grid_start: Any,
+        *, dropout_p: float, need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        grid, grid_start = self._call_geometry
+        """The attention step on head-split tensors, with the call's geometry."""
         key_mask = None
         if mask is not None:
             if mask.shape[-2] != 1 or mask.shape[-3] != 1:  # an attn_mask: dense fallback

@@ -8,9 +8,16 @@ devices cost O(1); ids and offsets are read once (O(E) or O(b)), as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from torch import Tensor
 
 from mmattn import _checks as checks
+from mmattn.kernels._neighborhood_plan import Item
+
+#: Who provides a grid, for the messages.
+PROVIDER = "adapters.ImagePatcher sets it"
 
 
 def check_heads(q: object, k: object, v: object, layout: str) -> None:
@@ -75,3 +82,123 @@ def check_options(dropout_p: object, scale: object, need_weights: object) -> Non
     if scale is not None:
         checks.check_number("scale", scale)
     checks.check_bool("need_weights", need_weights)
+
+
+def is_grid_list(grid: object) -> bool:
+    """True for a list of per-item (rows, cols) pairs, False for one pair."""
+    if isinstance(grid, Tensor):
+        return grid.dim() == 2
+    return (
+        isinstance(grid, Sequence) and len(grid) > 0
+        and all(isinstance(g, (Sequence, Tensor)) for g in grid)
+    )
+
+
+def check_geometry(
+    grid: object,
+    grid_start: object,
+    lengths: Sequence[int],
+    num_global_tokens: int,
+    *,
+    packed: bool,
+) -> tuple[tuple[int, int] | list[tuple[int, int]], int | list[int] | None]:
+    """Normalise ``grid`` / ``grid_start`` for items of ``lengths`` tokens; raise if they
+    do not fit (a padded batch gives every item the padded length)."""
+    count = len(lengths)
+    if grid is None:
+        raise ValueError(
+            f"grid must be given: (rows, cols) of the image patches, or a list of one per "
+            f"item; Tokens.meta['grid'] holds it ({PROVIDER})"
+        )
+    if is_grid_list(grid):
+        grids = [checks.check_grid(f"grid[{m}]", g) for m, g in enumerate(grid)]
+        if len(grids) != count:
+            raise ValueError(
+                f"grid must hold one (rows, cols) per item: expected {count}, got {len(grids)}"
+            )
+        out: Any = grids
+    else:
+        out = checks.check_grid("grid", grid)
+        grids = [out] * count
+    starts: list[int]
+    if grid_start is None:
+        starts = [num_global_tokens] * count
+    else:
+        if isinstance(grid_start, Tensor):
+            grid_start = grid_start.tolist()
+        if isinstance(grid_start, Sequence):
+            if len(grid_start) != count:
+                raise ValueError(
+                    f"grid_start must hold one start per item: expected {count}, got "
+                    f"{len(grid_start)}"
+                )
+            starts = [checks.check_positive_int("grid_start", s, minimum=0) for s in grid_start]
+        else:
+            starts = [checks.check_positive_int("grid_start", grid_start, minimum=0)] * count
+        grid_start = starts if isinstance(grid_start, Sequence) else starts[0]
+    exact = grid_start is None and (packed or not isinstance(out, list))
+    for m, ((rows, cols), start, length) in enumerate(zip(grids, starts, lengths)):
+        need = start + rows * cols
+        if (exact and need != length) or need > length:
+            item = f" of item {m}" if isinstance(out, list) else ""
+            where = (
+                f"{num_global_tokens} global tokens + " if grid_start is None
+                else f"grid_start {start} + "
+            )
+            raise ValueError(
+                f"grid {(rows, cols)}{item} has rows * cols = {rows * cols} tokens, so the "
+                f"sequence must have {where}{rows * cols} = {need} tokens"
+                f"{'' if exact else ' or more'}, got {length}"
+            )
+    return out, grid_start
+
+
+def check_exportable(grid: object, grid_start: object, length: object) -> None:
+    """Raise (at export time) for what NeighborhoodAttention cannot trace with a symbolic
+    batch: the tile plan is built in Python from static sizes, so the length (fixed by the
+    grid), the grid and grid_start must be plain ints, one for every item."""
+    if not isinstance(length, int):
+        raise NotImplementedError(
+            "NeighborhoodAttention exports with a dynamic batch only: the length is fixed by "
+            f"the grid (num_global_tokens + rows * cols), got a symbolic length {length}; "
+            "mark only dim 0 dynamic"
+        )
+    if is_grid_list(grid) or isinstance(grid_start, (Sequence, Tensor)):
+        raise NotImplementedError(
+            "NeighborhoodAttention exports with a dynamic batch only for one grid (rows, cols) "
+            "and one int grid_start for every item; per-item grids do not export"
+        )
+
+
+def check_items(
+    total: object, items: object, kernel: object, dilation: object, tiles: object
+) -> tuple[tuple, tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """Items of a neighbourhood plan: each grid fits its rows, items in order inside
+    ``[0, total)``, never overlapping; an odd kernel, dilation and tiles >= 1 (O(b))."""
+    total = checks.check_positive_int("total", total, minimum=0)
+    kernel = checks.check_kernel("kernel", kernel)
+    dilation = checks.check_pair("dilation", dilation, what="(rows, cols)")
+    tiles = checks.check_pair("tiles", tiles, what="(rows, cols)")
+    if not isinstance(items, (tuple, list)) or not all(isinstance(i, Item) for i in items):
+        raise TypeError(
+            "items must be a tuple of Item (from padded_items or packed_items), got "
+            f"{type(items).__name__}"
+        )
+    end = 0
+    for m, item in enumerate(items):
+        rows, cols = checks.check_grid(f"items[{m}] grid", (item.rows, item.cols))
+        start = checks.check_positive_int(f"items[{m}].start", item.start, minimum=0)
+        length = checks.check_positive_int(f"items[{m}].length", item.length, minimum=0)
+        offset = checks.check_positive_int(f"items[{m}].offset", item.offset, minimum=0)
+        if start + rows * cols > length:
+            raise ValueError(
+                f"items[{m}] has a grid {(rows, cols)} starting at {start}: it needs "
+                f"{start + rows * cols} rows, got length {length}"
+            )
+        if offset < end or offset + length > total:
+            raise ValueError(
+                f"items[{m}] covers rows [{offset}, {offset + length}), which must lie in "
+                f"[{end}, total={total}) after the items before it"
+            )
+        end = offset + length
+    return tuple(items), kernel, dilation, tiles

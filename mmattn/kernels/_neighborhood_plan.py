@@ -7,7 +7,11 @@ Axis key: ``n`` tiles, ``s`` query slots of a tile (``th · tw``), ``t`` key slo
 A plan says, for a batch of items laid out as flat rows, which rows every tile gathers as
 queries and keys and which (query, key) pairs of a tile are allowed. It depends only on the
 geometry (grids, kernel, dilation, tile shape), never on the values, so it is built once on
-the CPU with integer tensors and cached per device.
+the CPU with integer tensors and cached per device. A padded batch whose items share one
+grid uses the plan of ONE item for every item (:func:`shared_plan`, the gathers run along
+the token axis); per-item grids and packed rows use a plan of all their items. Plans and
+the additive tile masks made from them live in one LRU cache bounded in bytes
+(:data:`CACHE`), never in a count of entries.
 
 With dilation d an axis splits into d subgrids ``{p : p = a mod d}``, each an ordinary
 (dilation 1) neighbourhood problem; tiles never mix subgrids. Along an axis of a subgrid of
@@ -21,11 +25,15 @@ are never allowed.
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
+import contextlib
+import threading
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+from mmattn._helpers import exporting
 
 
 class Item(NamedTuple):
@@ -47,17 +55,16 @@ class Item(NamedTuple):
 class Plan(NamedTuple):
     """Index tensors of one geometry (``z`` = the zero row = number of flat rows).
 
-    - ``q_index`` (n·s,), ``k_index`` (n·t,): flat rows the tiles gather; ``allowed``
-      (n, s, t) bool: the exact window (and global) pattern of each tile;
+    - ``q_index`` (n·s,), ``k_index`` (n·t,): rows the tiles gather; ``allowed`` (n, s, t)
+      bool: the exact window (and global) pattern of each tile;
     - ``gq_index`` (b', g'), ``gk_index`` (b', j') and ``gk_valid`` (b', j'): the global
       query rows of the b' items that have any, and every key row of those items;
-    - ``pick`` (rows,): where each flat row's result lies in ``cat(tile results, global
+    - ``pick`` (rows,): where each row's result lies in ``cat(tile results, global
       results, zero)``;
     - ``k_col`` (n, t) and ``gk_col`` (b', j'): each key slot's position inside its item
       (``width`` for empty slots), for the dense weights;
-    - ``width``: the longest item; ``tiles``: (th, tw); ``has_dead``: some row is dead;
-    - ``additive``: ``allowed`` as additive (n, 1, s, t) masks by dtype, filled on demand
-      (SDPA runs faster on an additive mask than on a bool one it converts every call).
+    - ``width``: the longest item; ``key``: the arguments it was built from (it keys the
+      cached tile masks of :func:`tile_mask`).
     """
 
     q_index: Tensor
@@ -70,18 +77,65 @@ class Plan(NamedTuple):
     k_col: Tensor
     gk_col: Tensor
     width: int
-    tiles: tuple[int, int]
-    has_dead: bool
-    additive: dict
+    key: tuple
 
 
-def additive_mask(plan: Plan, dtype: torch.dtype) -> Tensor:
-    """``plan.allowed`` as a (n, 1, s, t) additive mask of ``dtype`` (0 / -inf), cached."""
-    mask = plan.additive.get(dtype)
+class ByteCache:
+    """A least-recently-used cache bounded by the bytes of what it holds (thread-safe).
+
+    A value larger than the whole budget is returned to the caller but not kept.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.nbytes = 0
+        self._entries: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: Any, value: Any, nbytes: int) -> Any:
+        with self._lock:
+            if nbytes > self.limit or key in self._entries:
+                return value
+            self._entries[key] = (value, nbytes)
+            self.nbytes += nbytes
+            while self.nbytes > self.limit:
+                _, (_, size) = self._entries.popitem(last=False)
+                self.nbytes -= size
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+
+
+#: Plans and tile masks of every device together: at most this many bytes (64 MiB).
+CACHE = ByteCache(64 * 2**20)
+
+
+def tile_mask(plan: Plan, dtype: torch.dtype, copies: int) -> Tensor:
+    """``plan.allowed`` as an additive ((copies n), 1, s, t) mask of ``dtype`` (0 / -inf),
+    repeated for ``copies`` items that share the plan; cached (SDPA runs faster on an
+    additive mask than on a bool one it converts on every call)."""
+    key = ("mask", plan.key, dtype, copies)
+    mask = CACHE.get(key)
     if mask is None:
         mask = torch.zeros(plan.allowed.shape, dtype=dtype, device=plan.allowed.device)
         mask = mask.masked_fill_(~plan.allowed, float("-inf"))[:, None]
-        plan.additive[dtype] = mask
+        if copies > 1:
+            mask = mask.repeat(copies, 1, 1, 1)
+        mask = CACHE.put(key, mask, mask.nbytes)
     return mask
 
 
@@ -123,7 +177,6 @@ def _axis(n: int, k: int, d: int, t: int) -> list[tuple[Tensor, Tensor, Tensor]]
     return out
 
 
-@functools.lru_cache(maxsize=64)
 def _grid_tiles(
     rows: int, cols: int, kernel: tuple[int, int], dilation: tuple[int, int],
     tiles: tuple[int, int],
@@ -162,22 +215,56 @@ def _live_length(item: Item) -> int:
 TILE_CHOICES = (4, 6, 8, 12, 16)
 
 
-def build_plan(
+def cached_plan(
     total: int,
     items: tuple[Item, ...],
     kernel: tuple[int, int],
     dilation: tuple[int, int],
     tiles: tuple[int, int],
-    device: torch.device,
+    device: torch.device | str,
 ) -> Plan:
-    """The plan of ``items`` in ``total`` flat rows (see :class:`Plan`); cached."""
-    return _build_plan(total, items, kernel, dilation, tiles, str(device))
+    """The plan of ``items`` in ``total`` flat rows (see :class:`Plan`), from :data:`CACHE`.
+
+    Unchecked: :func:`mmattn.kernels.neighborhood.build_plan` checks the items first.
+    """
+    key = ("plan", total, items, kernel, dilation, tiles, str(device))
+    plan = CACHE.get(key)
+    if plan is None:
+        plan = _build_plan(total, items, kernel, dilation, tiles, str(device), key)
+        size = sum(t.nbytes for t in plan if isinstance(t, Tensor))
+        plan = CACHE.put(key, plan, size)
+    return plan
 
 
-@functools.lru_cache(maxsize=32)
+@contextlib.contextmanager
+def _outside_trace():
+    """Run eager torch on real tensors while a tracer is active (results become constants)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph
+def shared_plan(
+    item: Item, kernel: tuple[int, int], dilation: tuple[int, int], tiles: tuple[int, int],
+    device: torch.device | str,
+) -> Plan:
+    """The plan of one item (offset 0) that every item of a padded batch shares.
+
+    Built outside any trace (``torch.export`` takes its tensors as constants, so nothing is
+    guarded on data), from the static sizes of the item.
+    """
+    if not exporting():
+        return cached_plan(item.length, (item,), kernel, dilation, tiles, device)
+    with _outside_trace():
+        return cached_plan(item.length, (item,), kernel, dilation, tiles, device)
+
+
 def _build_plan(
     total: int, items: tuple[Item, ...], kernel: tuple[int, int], dilation: tuple[int, int],
-    tiles: tuple[int, int], device: str,
+    tiles: tuple[int, int], device: str, key: tuple,
 ) -> Plan:
     zero = total
     width = max((item.length for item in items), default=0)
@@ -190,8 +277,12 @@ def _build_plan(
     slots = tiles[0] * tiles[1]
     tile_picks = []
     glob_items = 0
+    grids: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
     for item, glob in zip(items, globs):
-        q_cells, k_cells, ok = _grid_tiles(item.rows, item.cols, kernel, dilation, tiles)
+        shape = (item.rows, item.cols)
+        if shape not in grids:
+            grids[shape] = _grid_tiles(*shape, kernel, dilation, tiles)
+        q_cells, k_cells, ok = grids[shape]
         n = q_cells.shape[0]
         q_rel = torch.where(q_cells >= 0, item.start + q_cells, -1)
         k_rel = torch.where(k_cells >= 0, item.start + k_cells, -1)
@@ -237,7 +328,10 @@ def _build_plan(
     for m, (rows_, cols) in enumerate(zip(gk, gk_cols)):
         gk_index[m, : len(rows_)] = rows_
         gk_col[m, : len(cols)] = cols
-    to = functools.partial(torch.Tensor.to, device=torch.device(device))
+    target = torch.device(device)
+
+    def to(t: Tensor) -> Tensor:
+        return t.to(device=target)
 
     def cat(parts: list[Tensor], shape: tuple[int, ...]) -> Tensor:
         return torch.cat(parts) if parts else torch.zeros(shape, dtype=torch.long)
@@ -253,7 +347,5 @@ def _build_plan(
         k_col=to(cat(k_cols, (0, 0))),
         gk_col=to(gk_col),
         width=width,
-        tiles=tiles,
-        has_dead=bool(dead.any()),
-        additive={},
+        key=key,
     )

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from mmattn.functional import fused_attn
-from mmattn.kernels._neighborhood_plan import build_plan
 from mmattn.kernels.dense import attend
 from mmattn.kernels.neighborhood import (
+    build_plan,
     choose_tiles,
     neighborhood_attend,
     neighborhood_rows,
@@ -284,3 +284,62 @@ def test_device(device):
     allowed = neighborhood_mask((12, 10), 5, dilation=(2, 1), device=device)
     want, _ = attend(q, k, v, allowed)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_public_entry_points_refuse_what_they_cannot_run():
+    # a grid larger than the item read the next item's rows (or past the end); a plan for
+    # another number of rows, or items beyond their rows, went unchecked
+    q, k, v = _qkv(2, 4, 2, 16)
+    bad = [
+        (dict(grid=(5, 5)), ValueError, r"grid \(5, 5\) has rows \* cols = 25 tokens.*got 16"),
+        (dict(grid=(4, 4.0)), TypeError, r"grid\[1\] must be an int, got float"),
+        (dict(grid=[(4, 4)]), ValueError, "grid must hold one .rows, cols. per item: expected 2"),
+        (dict(kernel_size=2), ValueError, "kernel_size must be odd"),
+        (dict(dilation=0), ValueError, r"dilation\[0\] must be >= 1"),
+        (dict(k=k[..., :4], v=v[..., :4]), ValueError, "q and k must have the same head width"),
+        (dict(k=k[:, :, :9], v=v[:, :, :9]), ValueError, "q and k must have the same length"),
+        (dict(v=v[:1]), ValueError, "k and v must have the same rows and heads"),
+        (dict(key_mask=torch.ones(2, 15, dtype=torch.bool)), ValueError, "key_mask must have"),
+        (dict(key_mask=torch.ones(2, 16, dtype=torch.long)), TypeError, "key_mask must have"),
+        (dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    ]
+    for change, error, match in bad:
+        args = dict(q=q, k=k, v=v, grid=(4, 4), kernel_size=3) | change
+        with pytest.raises(error, match=match):
+            neighborhood_attend(**args)
+    rows = [t.transpose(1, 2).reshape(32, t.shape[1], 8) for t in (q, k, v)]
+    items = packed_items([16, 16], (4, 4))
+    plan = build_plan(32, items, (3, 3), (1, 1), (4, 4), "cpu")
+    with pytest.raises(ValueError, match="plan was built for 32 rows on cpu, got 31 rows"):
+        neighborhood_rows(*(t[:31] for t in rows), plan)
+    with pytest.raises(ValueError, match=r"items\[1\] has a grid \(4, 5\) starting at 0: it "
+                                         r"needs 20 rows, got length 16"):
+        build_plan(32, packed_items([16, 16], [(4, 4), (4, 5)]), (3, 3), (1, 1), (4, 4), "cpu")
+    with pytest.raises(ValueError, match=r"items\[1\] covers rows \[16, 32\), which must lie in "
+                                         r"\[16, total=20\)"):
+        build_plan(20, items, (3, 3), (1, 1), (4, 4), "cpu")
+
+
+def test_one_plan_per_grid_shared_by_the_batch_and_a_cache_bounded_in_bytes():
+    # the plan was keyed on batch x length and copied the windows once per item; its cache
+    # held 32 entries whatever their size (B=8, 56², k=7: ~25 MB each)
+    from mmattn.kernels import _neighborhood_plan as plans
+
+    plans.CACHE.clear()
+    for batch in (1, 3, 8):
+        q, k, v = _qkv(batch, 2, 2, 9 * 7)
+        with fused_attn(False):  # no tile mask either
+            neighborhood_attend(q, k, v, (9, 7), (3, 3))
+    assert len(plans.CACHE) == 1  # one plan: the grid's, whatever the batch
+    (plan, _), = plans.CACHE._entries.values()
+    assert plan.pick.shape == (9 * 7,)  # one item's rows, not batch x length
+    cache = plans.ByteCache(100)
+    for m in range(5):
+        cache.put(m, f"value {m}", 40)
+    assert len(cache) == 2 and cache.nbytes == 80 and cache.get(0) is None
+    assert cache.get(4) == "value 4"
+    assert cache.put("big", "too big", 101) == "too big" and cache.get("big") is None
+    with fused_attn(True):
+        for batch in (1, 2):
+            neighborhood_attend(*_qkv(batch, 2, 2, 9 * 7), (9, 7), (3, 3))
+    assert plans.CACHE.nbytes <= plans.CACHE.limit and len(plans.CACHE) == 3  # + two masks
