@@ -28,6 +28,7 @@ from mmattn.kernels._neighborhood_plan import (
     Item,
     Plan,
     cached_plan,
+    choose_tiles,
     merge_key_mask,
     shared_plan,
     tile_mask,
@@ -54,12 +55,12 @@ def run_tiles(
     """
     copies, _, heads, width = q.shape
     scale = 1.0 / math.sqrt(width) if scale is None else scale
-    n, slots, keys = plan.allowed.shape
+    n, slots, keys = plan.tile_shape
     qz, kz, vz = (F.pad(t, (0, 0, 0, 0, 0, 1)) for t in (q, k, v))  # the zero row at r
     km = None
     if key_mask is not None:
         fill = False if key_mask.dtype == torch.bool else float("-inf")
-        km = torch.cat([key_mask, key_mask.new_full((key_mask.shape[0], 1), fill)], dim=1)
+        km = torch.cat([key_mask, torch.full_like(key_mask[:, :1], fill)], dim=1)
     qt = rearrange(qz.index_select(1, plan.q_index), "c (n s) h e -> (c n) h s e", n=n)
     kt = rearrange(kz.index_select(1, plan.k_index), "c (n t) k e -> (c n) k t e", n=n)
     vt = rearrange(vz.index_select(1, plan.k_index), "c (n t) k e -> (c n) k t e", n=n)
@@ -83,8 +84,8 @@ def run_tiles(
         )
     parts = [rearrange(out_t, "(c n) h s e -> c (n s) h e", n=n)]
     w_g = None
-    if plan.gq_index.numel():  # global queries attend every key of their item
-        items = plan.gq_index.shape[0]
+    items, glob = plan.global_shape
+    if items * glob:  # global queries attend every key of their item
         gq = rearrange(qz.index_select(1, plan.gq_index.flatten()),
                        "c (b g) h e -> (c b) h g e", b=items)
         gk, gv = (rearrange(t.index_select(1, plan.gk_index.flatten()),
@@ -111,7 +112,7 @@ def dense_weights(
     plan: Plan, w_t: Tensor, w_g: Tensor | None, copies: int, rows: int, heads: int
 ) -> Tensor:
     """Scatter tile and global weights into (c, r, h, width) rows over each item's tokens."""
-    n, slots, _ = plan.allowed.shape
+    n, slots, _ = plan.tile_shape
     width = plan.width
     dense = w_t.new_zeros(copies, rows + 1, heads, width + 1)
     grid_rows = torch.nonzero(plan.pick < n * slots).flatten()
@@ -122,7 +123,7 @@ def dense_weights(
     grid_w.scatter_add_(-1, cols[None, :, None, :].expand(copies, -1, heads, -1), w)
     dense.index_copy_(1, grid_rows, grid_w)
     if w_g is not None:
-        items, g = plan.gq_index.shape
+        items, g = plan.global_shape
         cols = plan.gk_col[None, :, None, None, :].expand(copies, -1, g, heads, -1)
         glob_w = w_g.new_zeros(*cols.shape[:4], width + 1)
         glob_w.scatter_add_(-1, cols, rearrange(w_g, "(c b) h g j -> c b g h j", b=items))
@@ -139,7 +140,7 @@ def attend_padded(
     items: tuple[Item, ...],
     kernel: tuple[int, int],
     dilation: tuple[int, int],
-    tiles: tuple[int, int],
+    tiles: tuple[int, int] | None,
     *,
     shared: bool,
     key_mask: Tensor | None = None,
@@ -148,7 +149,8 @@ def attend_padded(
     need_weights: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Neighbourhood attention of a padded batch: with ``shared`` the one item of ``items``
-    is every item's geometry (one plan for all), else ``items`` lists every item.
+    is every item's geometry (one plan for all), else ``items`` lists every item; ``tiles``
+    None: :func:`~mmattn.kernels.neighborhood.choose_tiles`.
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e); key_mask: (b, l) or None
@@ -159,6 +161,7 @@ def attend_padded(
         plan = shared_plan(items[0], kernel, dilation, tiles, q.device)
         rows = [rearrange(t, "b h l e -> b l h e") for t in (q, k, v)]
     else:
+        tiles = tiles or choose_tiles(items, kernel, dilation)
         plan = cached_plan(batch * q.shape[2], items, kernel, dilation, tiles, q.device)
         rows = [rearrange(t, "b h l e -> 1 (b l) h e") for t in (q, k, v)]
         key_mask = None if key_mask is None else key_mask.reshape(1, -1)

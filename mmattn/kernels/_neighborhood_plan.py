@@ -26,6 +26,8 @@ are never allowed.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import threading
 from collections import OrderedDict
 from typing import Any, NamedTuple
@@ -33,7 +35,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from mmattn._helpers import exporting
+from mmattn._helpers import ceil_div, exporting
 
 
 class Item(NamedTuple):
@@ -63,8 +65,10 @@ class Plan(NamedTuple):
       results, zero)``;
     - ``k_col`` (n, t) and ``gk_col`` (b', j'): each key slot's position inside its item
       (``width`` for empty slots), for the dense weights;
-    - ``width``: the longest item; ``key``: the arguments it was built from (it keys the
-      cached tile masks of :func:`tile_mask`).
+    - ``width``: the longest item; ``tile_shape`` (n, s, t) and ``global_shape`` (b', g')
+      as ints (shapes of a traced constant are not read back under ``torch.compile``);
+      ``key``: the arguments it was built from (it keys the cached tile masks of
+      :func:`tile_mask`).
     """
 
     q_index: Tensor
@@ -77,6 +81,8 @@ class Plan(NamedTuple):
     k_col: Tensor
     gk_col: Tensor
     width: int
+    tile_shape: tuple[int, int, int]
+    global_shape: tuple[int, int]
     key: tuple
 
 
@@ -215,6 +221,38 @@ def _live_length(item: Item) -> int:
 TILE_CHOICES = (4, 6, 8, 12, 16)
 
 
+@functools.lru_cache(maxsize=64)
+def choose_tiles(
+    items: tuple[Item, ...], kernel: tuple[int, int], dilation: tuple[int, int]
+) -> tuple[int, int]:
+    """Tile shape (th, tw) from a cost model: per tile ``s · t`` scores plus a fixed cost.
+
+    A tile of th × tw queries scores ``(th + kh - 1)(tw + kw - 1)`` grid keys for each
+    query: small tiles waste fewer scores, large ones make fewer, bigger matmuls and
+    gather fewer halo keys. The fixed cost of a tile is worth :data:`TILE_OVERHEAD` scores
+    (measured on the CPU, docs/performance.md). Sides are capped at a subgrid's size.
+    """
+    best, best_cost = (1, 1), math.inf
+    shapes = [(ceil_div(it.rows, dilation[0]), ceil_div(it.cols, dilation[1])) for it in items]
+    sub = dilation[0] * dilation[1]
+    for th in TILE_CHOICES:
+        for tw in TILE_CHOICES:
+            th_ = min(th, max(r for r, _ in shapes))
+            tw_ = min(tw, max(c for _, c in shapes))
+            keys = (th_ + kernel[0] - 1) * (tw_ + kernel[1] - 1)
+            cost = 0.0
+            for rows, cols in shapes:
+                tiles = sub * ceil_div(rows, min(th_, rows)) * ceil_div(cols, min(tw_, cols))
+                cost += tiles * (th_ * tw_ * keys + TILE_OVERHEAD)
+            if cost < best_cost:
+                best, best_cost = (th_, tw_), cost
+    return best
+
+
+#: The fixed cost of one tile, in scores (see :func:`choose_tiles`).
+TILE_OVERHEAD = 6144
+
+
 def cached_plan(
     total: int,
     items: tuple[Item, ...],
@@ -246,20 +284,35 @@ def _outside_trace():
         yield
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph
 def shared_plan(
-    item: Item, kernel: tuple[int, int], dilation: tuple[int, int], tiles: tuple[int, int],
-    device: torch.device | str,
+    item: Item, kernel: tuple[int, int], dilation: tuple[int, int],
+    tiles: tuple[int, int] | None, device: torch.device | str,
 ) -> Plan:
-    """The plan of one item (offset 0) that every item of a padded batch shares.
+    """The plan of one item (offset 0) that every item of a padded batch shares; ``tiles``
+    None: :func:`choose_tiles`.
 
-    Built outside any trace (``torch.export`` takes its tensors as constants, so nothing is
-    guarded on data), from the static sizes of the item.
+    Built outside any trace from the static sizes of the item: ``torch.export`` and
+    ``torch.compile`` take its tensors as constants, so nothing is guarded on data and no
+    plan (nor tile choice) is rebuilt inside a graph.
     """
+    th, tw = tiles or (0, 0)
+    return _constant_plan(item.length, item.rows, item.cols, item.start, item.tail_global,
+                          *kernel, *dilation, th, tw, str(device))
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph
+def _constant_plan(
+    length: int, rows: int, cols: int, start: int, tail_global: bool, kh: int, kw: int,
+    dh: int, dw: int, th: int, tw: int, device: str,
+) -> Plan:
+    """:func:`shared_plan` on plain ints (what ``assume_constant_result`` takes)."""
+    item = Item(0, length, rows, cols, start, tail_global)
+    tiles = (th, tw) if th else choose_tiles((item,), (kh, kw), (dh, dw))
+    build = (length, (item,), (kh, kw), (dh, dw), tiles, device)
     if not exporting():
-        return cached_plan(item.length, (item,), kernel, dilation, tiles, device)
+        return cached_plan(*build)
     with _outside_trace():
-        return cached_plan(item.length, (item,), kernel, dilation, tiles, device)
+        return cached_plan(*build)
 
 
 def _build_plan(
@@ -336,16 +389,20 @@ def _build_plan(
     def cat(parts: list[Tensor], shape: tuple[int, ...]) -> Tensor:
         return torch.cat(parts) if parts else torch.zeros(shape, dtype=torch.long)
 
+    allowed = torch.cat(oks) if oks else torch.zeros(0, slots, 0, dtype=torch.bool)
+    gq_index = torch.stack(gq) if gq else torch.zeros(0, 0, dtype=torch.long)
     return Plan(
         q_index=to(cat(q_idx, (0,))),
         k_index=to(cat(k_idx, (0,))),
-        allowed=to(torch.cat(oks) if oks else torch.zeros(0, slots, 0, dtype=torch.bool)),
-        gq_index=to(torch.stack(gq) if gq else torch.zeros(0, 0, dtype=torch.long)),
+        allowed=to(allowed),
+        gq_index=to(gq_index),
         gk_index=to(gk_index),
         gk_valid=to(gk_col < width),
         pick=to(pick),
         k_col=to(cat(k_cols, (0, 0))),
         gk_col=to(gk_col),
         width=width,
+        tile_shape=tuple(allowed.shape),
+        global_shape=tuple(gq_index.shape),
         key=key,
     )

@@ -131,14 +131,16 @@ def local_attend(
             groups=groups, modifiers=mods,
         )
     # Blocks of ceil(l / s); no negative floor division (ONNX's integer Div truncates).
-    if isinstance(length, int):  # clamped to the sequence: a wider band sees the same keys
+    if isinstance(length, int) and not torch.compiler.is_compiling():
+        # eager: clamped to the sequence (a wider band sees the same keys)
         window = min(window_size, length - 1)
         block = min(block_size or default_block_size(window), length)
         blocks = (length + block - 1) // block
     else:
-        # A traced length (torch.export, dynamic compile): the layout depends on the window
-        # only, never specialised to the example. One spare block keeps ``n >= 2`` and the
-        # padded length above ``l`` for every size, so no guard asks whether they are equal.
+        # Traced (torch.export, torch.compile): the layout depends on the window only, never
+        # specialised to the length (a block of min(s, l) made one graph per short length
+        # under dynamic compile). One spare block keeps ``n >= 2`` and the padded length
+        # above ``l`` for every size, so no guard asks whether they are equal.
         window, block = window_size, block_size or default_block_size(window_size)
         blocks = (length + 2 * block - 1) // block
     glob = min(num_global_tokens, length)
@@ -225,7 +227,7 @@ def local_attend(
         block_mods, shared,
     )
     out = rearrange(out, "(b n) h s e -> b h (n s) e", b=batch)
-    if isinstance(length, int):
+    if isinstance(length, int) and not torch.compiler.is_compiling():
         out = out[:, :, :length]
     else:  # a gather, not a slice: no guard that the padded length holds l
         out = out.index_select(2, position)

@@ -35,19 +35,17 @@ reads the rows of another item or outside its tensors.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from mmattn import _checks as checks
-from mmattn._helpers import ceil_div, exporting
+from mmattn._helpers import exporting
 from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._neighborhood import attend_padded, run_tiles
-from mmattn.kernels._neighborhood_plan import TILE_CHOICES, Item, Plan, cached_plan
+from mmattn.kernels._neighborhood_plan import Item, Plan, cached_plan, choose_tiles
 
 __all__ = [
     "Item",
@@ -110,38 +108,6 @@ def packed_items(
         )
         offset += int(length)
     return tuple(items)
-
-
-@functools.lru_cache(maxsize=64)
-def choose_tiles(
-    items: tuple[Item, ...], kernel: tuple[int, int], dilation: tuple[int, int]
-) -> tuple[int, int]:
-    """Tile shape (th, tw) from a cost model: per tile ``s · t`` scores plus a fixed cost.
-
-    A tile of th × tw queries scores ``(th + kh - 1)(tw + kw - 1)`` grid keys for each
-    query: small tiles waste fewer scores, large ones make fewer, bigger matmuls and
-    gather fewer halo keys. The fixed cost of a tile is worth :data:`TILE_OVERHEAD` scores
-    (measured on the CPU, docs/performance.md). Sides are capped at a subgrid's size.
-    """
-    best, best_cost = (1, 1), math.inf
-    shapes = [(ceil_div(it.rows, dilation[0]), ceil_div(it.cols, dilation[1])) for it in items]
-    sub = dilation[0] * dilation[1]
-    for th in TILE_CHOICES:
-        for tw in TILE_CHOICES:
-            th_ = min(th, max(r for r, _ in shapes))
-            tw_ = min(tw, max(c for _, c in shapes))
-            keys = (th_ + kernel[0] - 1) * (tw_ + kernel[1] - 1)
-            cost = 0.0
-            for rows, cols in shapes:
-                tiles = sub * ceil_div(rows, min(th_, rows)) * ceil_div(cols, min(tw_, cols))
-                cost += tiles * (th_ * tw_ * keys + TILE_OVERHEAD)
-            if cost < best_cost:
-                best, best_cost = (th_, tw_), cost
-    return best
-
-
-#: The fixed cost of one tile, in scores (see :func:`choose_tiles`).
-TILE_OVERHEAD = 6144
 
 
 def build_plan(
@@ -317,7 +283,6 @@ def neighborhood_attend(
         1 if shared else batch, length, grid, num_global_tokens=num_global_tokens,
         grid_start=grid_start,
     )
-    tiles = tiles or choose_tiles(items, kernel, dilation)
     return attend_padded(
         q, k, v, items, kernel, dilation, tiles, shared=shared, key_mask=key_mask,
         dropout_p=dropout_p, scale=scale, need_weights=need_weights,

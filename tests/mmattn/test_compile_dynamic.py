@@ -30,6 +30,7 @@ from tests.mmattn.test_compile import (  # noqa: F401 (_fresh_dynamo: an autouse
     _attention_case,
     _check,
     _fresh_dynamo,
+    _grid_case,
     _image_adapter,
     _multimodal_inputs,
     _padding,
@@ -61,6 +62,10 @@ def _dynamic_cases():
     yield "local_gqa_causal", _attention_case(
         LocalAttention(D, H, window_size=3, causal=True, num_kv_heads=1), lengths=LOCAL_LENGTHS
     )
+    # short lengths too: a block of min(32, L) made one graph per length below 32
+    yield "local_short", _attention_case(LocalAttention(D, H, window_size=2),
+                                         lengths=(9, 17, 33, 65))
+    yield "neighborhood_batches", _grid_case(batches=(2, 3, 4, 5))  # one grid, four batches
     yield "additive", _attention_case(AdditiveAttention(D, H), lengths=LENGTHS)
     yield "linformer", _attention_case(LinformerAttention(D, H, seq_len=16, proj_len=3),
                                        lengths=LENGTHS)
@@ -81,12 +86,13 @@ def _dynamic_cases():
     yield "multimodal", (encoder, _multimodal_inputs, LENGTHS)
 
 
-#: Captures that take 5-70 s each on 2 shared CPU cores (the blocked kernel's, the
-#: multimodal encoder's, the cross-attention and Linformer layers'): they run in the fused
-#: pass only. The explicit pass still captures the MultiHeadAttention, AdditiveAttention and
-#: TransformerBlock cases here and the Encoder (test_blocks_dynamic_true_never_recompile).
-SLOW_DYNAMIC = {"local_gqa_causal", "block_local", "multimodal", "cross", "cross_block",
-                "linformer"}
+#: Captures that take 5-70 s each on 2 shared CPU cores (the blocked and neighbourhood
+#: kernels', the multimodal encoder's, the cross-attention and Linformer layers'): they run
+#: in the fused pass only. The explicit pass still captures the MultiHeadAttention,
+#: AdditiveAttention and TransformerBlock cases here and the Encoder
+#: (test_blocks_dynamic_true_never_recompile).
+SLOW_DYNAMIC = {"local_gqa_causal", "local_short", "neighborhood_batches", "block_local",
+                "multimodal", "cross", "cross_block", "linformer"}
 
 
 @pytest.mark.parametrize(("name", "case"), [
