@@ -202,3 +202,57 @@ def check_items(
             )
         end = offset + length
     return tuple(items), kernel, dilation, tiles
+
+
+def check_attention(q: object, k: object, v: object, mask: object) -> None:
+    """The O(1) checks of :func:`mmattn.kernels.dense.attend` (and the kernels built on it):
+    q, k, v of one rank (at least (h, l, e)) with one head width, k and v with the same
+    heads and keys, key heads dividing query heads, a bool or floating mask.
+
+    Batch dimensions and the mask's shape broadcast as in SDPA, so they are left to it.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tensor(name, t)
+    if not 3 <= q.dim() == k.dim() == v.dim():
+        raise ValueError(
+            f"q, k and v must have one rank of at least 3 (..., h, l, e), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same head width e, got q {tuple(q.shape)} and k "
+            f"{tuple(k.shape)}"
+        )
+    if k.shape[-3:-1] != v.shape[-3:-1]:
+        raise ValueError(
+            f"k and v must have the same heads and keys (..., h, j, e), got k "
+            f"{tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"the key/value heads must divide the query heads (grouped-query attention), got "
+            f"{heads} query heads and {kv_heads} key/value heads"
+        )
+    if mask is not None:
+        checks.check_tensor("mask", mask)
+        checks.check_mask_dtype("mask", mask)
+
+
+def check_band(
+    q: Tensor, k: Tensor, v: Tensor, window_size: object, key_mask: object,
+    num_global_tokens: object, block_size: object,
+) -> None:
+    """The O(1) checks of :func:`mmattn.kernels.blocked.local_attend`: (b, h, l, e) tensors
+    of one length, a window and global tokens >= 0, a block >= 1, a (b, l) key mask."""
+    check_heads(q, k, v, "(b, h, l, e)")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"q and k must have the same length (a band of self-attention), got q "
+            f"{tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    checks.check_positive_int("window_size", window_size, minimum=0)
+    checks.check_positive_int("num_global_tokens", num_global_tokens, minimum=0)
+    if block_size is not None:
+        checks.check_positive_int("block_size", block_size)
+    check_key_mask(key_mask, (q.shape[0], q.shape[2]), q, "(b, l)")

@@ -34,6 +34,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn._helpers import exporting, surely
+from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.dense import attend
 from mmattn.kernels.modifiers import Modifiers, with_bias
@@ -91,7 +92,7 @@ def local_attend(
     groups: int | None = None,
     modifiers: Modifiers | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Unchecked blocked band attention on head-split tensors.
+    """Blocked band attention on head-split tensors (checked in O(1): shapes, sizes, mask).
 
     Args:
         q, k, v: queries, keys, values of one length ``l``.
@@ -115,6 +116,7 @@ def local_attend(
           K/V)
         - returns: (b, h, l, e) and (b, h, l, l) weights or None
     """
+    _inputs.check_band(q, k, v, window_size, key_mask, num_global_tokens, block_size)
     batch, heads, length, _ = q.shape
     groups = _kernel.num_groups(q, k, groups)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
