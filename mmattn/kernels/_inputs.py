@@ -54,7 +54,7 @@ def check_heads(q: object, k: object, v: object, layout: str) -> None:
             f"{tuple(k.shape)}"
         )
     heads, kv_heads = q.shape[1], k.shape[1]  # the head axis of both layouts
-    if kv_heads < 1 or heads % kv_heads:
+    if heads % max(kv_heads, 1) or (kv_heads == 0 and heads):  # 0 and 0: an empty axis
         raise ValueError(
             f"the key/value heads must divide the query heads (grouped-query attention), got "
             f"{heads} query heads and {kv_heads} key/value heads"
@@ -229,7 +229,7 @@ def check_attention(q: object, k: object, v: object, mask: object) -> None:
             f"{tuple(k.shape)} and v {tuple(v.shape)}"
         )
     heads, kv_heads = q.shape[-3], k.shape[-3]
-    if kv_heads < 1 or heads % kv_heads:
+    if heads % max(kv_heads, 1) or (kv_heads == 0 and heads):  # 0 and 0: an empty axis
         raise ValueError(
             f"the key/value heads must divide the query heads (grouped-query attention), got "
             f"{heads} query heads and {kv_heads} key/value heads"

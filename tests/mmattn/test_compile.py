@@ -185,9 +185,6 @@ def _cases():
     yield "additive", _attention_case(AdditiveAttention(D, H))
     yield "linformer", _attention_case(LinformerAttention(D, H, seq_len=8, proj_len=3))
     yield "neighborhood", _grid_case()
-    yield "block_neighborhood", (TransformerBlock(D, H, attention="neighborhood",
-                                                  attention_kwargs={"kernel_size": 3}),
-                                 lambda n, s: (_tokens(6, s)[0].replace(grid=(2, 3)),), (6,))
     yield "block_full", (TransformerBlock(D, H), _tokens, (6,))
     yield "block_local", (TransformerBlock(D, H, attention="local", window_size=2), _tokens,
                           (40,))
@@ -270,14 +267,8 @@ def test_adapters_fullgraph_match_eager(name, case):
     _check(adapter, make, (6,), "aot_eager")
 
 
-#: Cases that run in the fused pass only (CI time): the block on a grid repeats the
-#: neighbourhood layer's capture inside a block.
-SLOW_CASES = {"block_neighborhood"}
-
-
-@pytest.mark.parametrize(("name", "case"), [
-    pytest.param(n, c, marks=pytest.mark.slow) if n in SLOW_CASES else (n, c)
-    for n, c in _cases()], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(("name", "case"), list(_cases()), ids=lambda v: v
+                         if isinstance(v, str) else "")
 def test_aot_eager_fullgraph_matches_eager(name, case):
     module, make, lengths = case
     _check(module, make, lengths, "aot_eager")
@@ -302,19 +293,14 @@ def _edges(length: int, seed: int) -> tuple:
     return _x(length, seed), _padding(2, length, seed), edge_index
 
 
-@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["static", "dynamic"])
-def test_edge_attention_compiles_and_matches_eager(dynamic):
+@pytest.mark.slow  # one capture with breaks: ~10 s here; the explicit twin runs eagerly too
+def test_edge_attention_compiles_and_matches_eager():
     # dynamo failed inside kernels/segment.py (IndexError at the per-head torch.stack); the
     # edge set (ids read, duplicates merged, padding dropped) and the sparse kernel now run
     # eagerly between compiled graphs (torch.compiler.disable): breaks, not a fullgraph
     module = _OnEdges(EdgeAttention(D, H))
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(module, backend=counter, dynamic=dynamic)
-    for seed, length in enumerate((6, 9)):
-        args = _edges(length, seed)
-        _assert_same(_run(module, compiled, args), _run(module, module, args))
+    compiled = torch.compile(module, backend=counter)
+    args = _edges(6, 0)
+    _assert_same(_run(module, compiled, args), _run(module, module, args))
     assert counter.frame_count >= 1  # the projections did compile
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        torch._dynamo.reset()
-        torch.compile(module, backend="aot_eager", fullgraph=True)(*_edges(6, 0))
