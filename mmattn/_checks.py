@@ -241,6 +241,29 @@ def check_factory_dtype(name: str, value: object) -> torch.dtype | None:
     return None if value is None else check_dtype(name, value, floating=True)
 
 
+def check_device(name: str, value: object) -> torch.device | None:
+    """None, a ``torch.device``, a device string (``"cpu"``, ``"cuda:0"``) or an index.
+
+    Raises TypeError for another type and ValueError for a string torch cannot parse.
+    """
+    if value is None or isinstance(value, torch.device):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"{name} must be a torch.device, a device string or None, got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        return torch.device(value)
+    except RuntimeError as error:
+        raise ValueError(f"{name} must name a device such as 'cpu' or 'cuda:0', got "
+                         f"{value!r}") from error
+
+
+def check_factory(device: object, dtype: object) -> dict:
+    """A module's ``device`` and ``dtype`` factory arguments, checked, as keyword arguments."""
+    return {"device": check_device("device", device),
+            "dtype": check_factory_dtype("dtype", dtype)}
+
+
 def check_meta(name: str, value: object) -> dict:
     """Raise TypeError unless ``value`` is None or a mapping; return a shallow dict copy."""
     if value is None:

@@ -167,7 +167,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         self.vdim = vdim
         self.batch_first = checks.check_bool("batch_first", batch_first)
         self.add_zero_attn = bool(add_zero_attn)
-        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
+        factory = checks.check_factory(device, dtype)
         # Allocated without drawing: reset_parameters draws in nn.MultiheadAttention's order.
         self.q_proj = undrawn_linear(embed_dim, embed_dim, bias, **factory)
         self.k_proj = undrawn_linear(kdim, kv_dim, bias, **factory)

@@ -154,7 +154,7 @@ class MultiModalEncoder(nn.Module):
                     f"adapters[{name!r}] has embed_dim={width}, expected embed_dim={embed_dim}"
                 )
         checks.check_choice("fusion", fusion, _FUSIONS)
-        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
+        factory = checks.check_factory(device, dtype)
         self.embed_dim = embed_dim
         self.depth = depth
         self.num_heads = num_heads

@@ -213,6 +213,9 @@ def check_attention(q: object, k: object, v: object, mask: object) -> None:
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tensor(name, t)
+        checks.check_floating(name, t)
+    checks.check_same_dtype("k", k, "q", q)
+    checks.check_same_dtype("v", v, "q", q)
     if not 3 <= q.dim() == k.dim() == v.dim():
         raise ValueError(
             f"q, k and v must have one rank of at least 3 (..., h, l, e), got shapes "
