@@ -343,3 +343,41 @@ def test_one_plan_per_grid_shared_by_the_batch_and_a_cache_bounded_in_bytes():
         for batch in (1, 2):
             neighborhood_attend(*_qkv(batch, 2, 2, 9 * 7), (9, 7), (3, 3))
     assert plans.CACHE.nbytes <= plans.CACHE.limit and len(plans.CACHE) == 3  # + two masks
+
+
+def test_every_plan_field_is_read():
+    # issue 29, item 11: Plan.has_dead and Plan.tiles were built for every plan and never read
+    import pathlib
+    import re
+
+    from mmattn.kernels._neighborhood_plan import Plan
+
+    root = pathlib.Path(__file__).parents[3] / "mmattn"
+    source = "\n".join(p.read_text() for p in root.rglob("*.py"))
+    unread = [f for f in Plan._fields if not re.search(rf"\.{f}\b(?!\s*=[^=])", source)]
+    assert not unread, f"Plan fields never read: {unread}"
+
+
+def test_eager_packed_and_exported_calls_share_one_tile_runner(monkeypatch):
+    # issue 29, item 11: the export path had its own copy of neighborhood_rows
+    # (_neighborhood_export.export_attend); every path now runs _neighborhood.run_tiles
+    from mmattn.kernels import _neighborhood
+    from mmattn.kernels import neighborhood as kernel
+
+    calls, run = [], _neighborhood.run_tiles
+    counted = lambda *a, **kw: calls.append(1) or run(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(_neighborhood, "run_tiles", counted)
+    monkeypatch.setattr(kernel, "run_tiles", counted)
+    q, k, v = _qkv(2, 2, 2, 12)
+    key_mask = torch.ones(2, 12, dtype=torch.bool)
+    key_mask[0, -2:] = False
+    eager = neighborhood_attend(q, k, v, (3, 4), 3, key_mask=key_mask)[0]
+    rows = [t.transpose(1, 2).reshape(24, 2, 8) for t in (q, k, v)]
+    items = packed_items([12, 12], (3, 4))
+    plan = build_plan(24, items, (3, 3), (1, 1), choose_tiles(items, (3, 3), (1, 1)), "cpu")
+    neighborhood_rows(*rows, plan, key_mask=key_mask.reshape(-1))
+    monkeypatch.setattr(_neighborhood, "exporting", lambda: True)
+    monkeypatch.setattr(kernel, "exporting", lambda: True)
+    exported = neighborhood_attend(q, k, v, (3, 4), 3, key_mask=key_mask)[0]
+    torch.testing.assert_close(exported, eager)
+    assert len(calls) == 3

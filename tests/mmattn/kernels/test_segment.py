@@ -249,3 +249,19 @@ def test_k_hop_edges_errors():
         k_hop_edges(torch.tensor([[0], [2]]), 1, 2)
     with pytest.raises(ValueError, match=r"shape \(2, num_edges\)"):
         k_hop_edges(torch.zeros(3, 1, dtype=torch.long), 1)
+
+
+def test_both_paths_share_one_segment_softmax(monkeypatch):
+    # issue 29, item 11: the fused and the explicit path each had their own segment softmax
+    # (_segment_softmax, _softmax_rows); both now call _segment.segment_softmax
+    calls = []
+    softmax = _segment.segment_softmax
+    monkeypatch.setattr(_segment, "segment_softmax",
+                        lambda *a, **kw: calls.append(kw.get("dim", 0)) or softmax(*a, **kw))
+    q, k, v = (torch.randn(4, 2, 3) for _ in range(3))
+    src, dst = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 0, 1, 3])
+    with fused_attn(True):
+        fused = edge_attend(q, k, v, src, dst)[0]
+    explicit = edge_attend_explicit(q, k, v, src, dst)[0]
+    torch.testing.assert_close(fused, explicit)
+    assert sorted(set(calls)) == [0, 1]  # the explicit path along edges, the fused along heads
