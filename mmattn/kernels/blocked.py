@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from mmattn._helpers import exporting, surely
+from mmattn._helpers import ceil_div, exporting, surely
 from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.dense import attend
@@ -322,7 +322,7 @@ def _dirty_blocks(
 ) -> Tensor | None:
     """((b n),) indices of the blocks whose key slab reaches past either end of the sequence
     (their mask is not the band's); None when no block's slab lies inside."""
-    first = -(-left // block)  # blocks m >= first start their slab at m·s - w >= 0
+    first = ceil_div(left, block)  # blocks m >= first start their slab at m·s - w >= 0
     stop = (length - block - right) // block + 1  # blocks m < stop end it inside
     if stop <= first:
         return None
