@@ -1,6 +1,16 @@
 """mmattn: multi-modal attention components for PyTorch."""
 
-from mmattn import cache, debug, distributed, functional, masks, position, registry, rotary
+from mmattn import (
+    cache,
+    debug,
+    distributed,
+    functional,
+    masks,
+    patterns,
+    position,
+    registry,
+    rotary,
+)
 from mmattn.attention.additive import AdditiveAttention
 from mmattn.attention.cross import CrossAttention
 from mmattn.attention.edge import EdgeAttention
@@ -40,6 +50,7 @@ __all__ = [
     "masked_max",
     "masked_mean",
     "masks",
+    "patterns",
     "position",
     "register_attention",
     "registry",

@@ -37,6 +37,7 @@ PAGES = [
     "decoding.md",
     "streaming.md",
     "packed.md",
+    "patterns.md",
     "integrations.md#timm",
     "integrations.md#torchvision",
     "integrations.md#hugging-face-transformers",

@@ -103,7 +103,10 @@ def test_mmattn_never_imports_adapters():
 #: (lower layer, higher layers it must not import): the arrows of docs/concepts.md.
 LAYERS = [
     ("mmattn.kernels", ("mmattn.attention", "mmattn.blocks", "mmattn.integrations",
-                        "mmattn.distributed", "mmattn.debug", "mmattn.registry")),
+                        "mmattn.distributed", "mmattn.debug", "mmattn.registry",
+                        "mmattn.patterns")),
+    ("mmattn.patterns", ("mmattn.attention", "mmattn.blocks", "mmattn.integrations",
+                         "mmattn.distributed", "mmattn.debug", "mmattn.registry")),
     ("mmattn.attention", ("mmattn.blocks", "mmattn.integrations", "mmattn.distributed",
                           "mmattn.debug", "mmattn.registry")),
     ("mmattn.blocks", ("mmattn.integrations", "mmattn.distributed", "mmattn.debug")),

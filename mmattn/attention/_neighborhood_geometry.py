@@ -1,14 +1,16 @@
-"""Geometry of :class:`mmattn.NeighborhoodAttention`: reading ``Tokens.meta`` and checking grids.
+"""Geometry of :class:`mmattn.NeighborhoodAttention`: reading ``Tokens.meta``, checking grids,
+positions of packed rows.
 
 Every check raises ValueError / TypeError naming the argument, expected vs actual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from mmattn.kernels._inputs import (  # noqa: F401 (the layer's checks are the kernel's)
@@ -74,3 +76,17 @@ def dense_allowed(
             (rows, cols), kernel, dilation=dilation, device=device
         )
     return out
+
+
+def rows_position(position: Callable[..., Tensor], x: Tensor, lengths: list[int]) -> Tensor:
+    """``position(x, 0)`` on each item of packed rows (t, h, e), positions from 0 per item."""
+    if not lengths:
+        return x
+    longest = max(lengths)
+    offsets = torch.tensor([0, *lengths], device=x.device).cumsum(0)[:-1]
+    slot = torch.arange(longest, device=x.device)
+    real = slot[None, :] < torch.tensor(lengths, device=x.device)[:, None]  # (b, l)
+    index = torch.where(real, offsets[:, None] + slot[None, :], x.shape[0])
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]  # (b, l, h, e)
+    moved = rearrange(position(rearrange(padded, "b l h e -> b h l e"), 0), "b h l e -> b l h e")
+    return moved[real]

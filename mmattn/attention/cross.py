@@ -46,6 +46,8 @@ class CrossAttention(MultiHeadAttention):
     cache_kinds = (ContextCache,)
     #: Why ``alibi=True`` is refused (see :mod:`mmattn.attention._modifiers`).
     alibi_refusal = "query and context are two sequences, so no query is at a distance from a key"
+    #: A compiled pattern (SparseMask) is a self-attention mask: refused (attention/_sparse.py).
+    takes_sparse_mask = False
 
     def __init__(
         self,

@@ -23,8 +23,11 @@ from mmattn import _checks as checks
 from mmattn._helpers import default, exporting
 from mmattn.attention import _edges
 from mmattn.attention._fx import fx_leaf
+from mmattn.attention._modifiers import score_modifiers
+from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels._segment import attend_sorted
+from mmattn.kernels._segment_modifiers import edge_attend_modified
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
 
 __all__ = ["EdgeAttention"]
@@ -72,6 +75,9 @@ class EdgeAttention(MultiHeadAttention):
         device, dtype: factory arguments for the parameters.
         num_kv_heads: key/value heads (grouped-query attention), as
             :class:`MultiHeadAttention`; keys and values are never repeated per query head.
+        sinks, softcap: score modifiers, as :class:`MultiHeadAttention` (softcap before the
+            ``edge_bias``); ``alibi=True`` is refused: graph nodes have no order
+            (docs/variants.md, "Score modifiers").
 
     Shape:
         - query: (B, L, D) or (L, D), or packed (B, l*, D); key: (B, S, kdim); value:
@@ -87,7 +93,8 @@ class EdgeAttention(MultiHeadAttention):
         ValueError / TypeError: ``edge_index`` of the wrong shape or dtype, ids negative
             or out of range, an edge between two items of the batch; ``edge_bias`` of the
             wrong shape or with duplicate edges; ``attn_mask`` or ``is_causal`` given (the
-            edges are the mask); plus every check of :class:`MultiHeadAttention`.
+            edges are the mask); ``alibi=True``; plus every check of
+            :class:`MultiHeadAttention`.
 
     Examples:
         >>> attn = EdgeAttention(embed_dim=16, num_heads=4)
@@ -104,6 +111,12 @@ class EdgeAttention(MultiHeadAttention):
         "same, and its to_torch() works"
     )
     cache_kinds = ()
+    takes_sparse_mask = False  # the edges are the mask (attention/_sparse.py)
+    #: Why ``alibi=True`` is refused (see :mod:`mmattn.attention._modifiers`).
+    alibi_refusal = (
+        "graph nodes have no order, so a distance between token indices would depend on how "
+        "the nodes are numbered; put a distance into edge_bias instead"
+    )
 
     def __init__(
         self,
@@ -119,11 +132,15 @@ class EdgeAttention(MultiHeadAttention):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         num_kv_heads: int | None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
     ) -> None:
         self.add_self_loops = checks.check_bool("add_self_loops", add_self_loops)
         super().__init__(
             embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,
+            sinks=sinks, softcap=softcap, alibi=alibi,
         )
 
     def extra_repr(self) -> str:
@@ -185,6 +202,7 @@ class EdgeAttention(MultiHeadAttention):
                 "same weights and attn_mask=adapters.neighbourhood_mask(...) as an input "
                 "instead (docs/deploy.md)"
             )
+        reject_sparse_mask(self, attn_mask)  # TypeError naming attn_mask
         _check_no_mask(attn_mask, is_causal)
         self_attention = key is None or key is query
         key = default(key, query)
@@ -313,10 +331,16 @@ class EdgeAttention(MultiHeadAttention):
         q = rearrange(self.q_proj(qv), "n (h e) -> n h e", h=self.num_heads)
         k = rearrange(self.k_proj(kv), "m (h e) -> m h e", h=self.num_kv_heads)
         v = rearrange(self.v_proj(vv), "m (h e) -> m h e", h=self.num_kv_heads)
-        out, weights = attend_sorted(
-            q, k, v, src, dst, bias=bias, dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-        )
+        dropout_p, mods = self.dropout if self.training else 0.0, score_modifiers(self)
+        if mods is not None:
+            out, weights = edge_attend_modified(
+                q, k, v, src, dst, mods, bias=bias, dropout_p=dropout_p,
+                need_weights=need_weights,
+            )
+        else:
+            out, weights = attend_sorted(
+                q, k, v, src, dst, bias=bias, dropout_p=dropout_p, need_weights=need_weights
+            )
         out = self.out_proj(rearrange(out, "n h e -> n (h e)"))
         return out, weights, src, dst
 

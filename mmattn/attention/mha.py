@@ -30,6 +30,7 @@ from mmattn.attention._interop import TorchInterop
 from mmattn.attention._modifiers import init_modifiers, modifier_repr, score_modifiers
 from mmattn.attention._nested import nested_forward
 from mmattn.attention._packed import attend_values, packed_forward
+from mmattn.attention._sparse import is_sparse_mask, sparse_forward
 from mmattn.cache import ChunkCache, ContextCache, KVCache, LocalKVCache
 from mmattn.kernels.dense import attend
 from mmattn.kernels.modifiers import Modifiers
@@ -307,6 +308,9 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         })
         if traced is not None:  # torch.fx: one call_module node, as for torch.nn's modules
             return traced
+        if is_sparse_mask(attn_mask):  # a compiled pattern, block-sparse: attention/_sparse.py
+            return sparse_forward(self, query, key, value, key_padding_mask, need_weights,
+                                  attn_mask, average_attn_weights, is_causal, cache)
         if is_jagged(query) or is_jagged(key) or is_jagged(value):  # packed: mmattn/_packed*
             if cache is not None:
                 raise ValueError("cache= does not take packed (jagged) input; decode padded")

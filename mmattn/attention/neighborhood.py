@@ -22,17 +22,23 @@ from mmattn import _checks as checks
 from mmattn._helpers import default, exporting
 from mmattn.attention._decoding import refuse_chunk_cache
 from mmattn.attention._fx import fx_leaf
+from mmattn.attention._geo_modifiers import dense_terms, init_position_bias, position_table
 from mmattn.attention._inputs import from_batch_first, to_batch_first
+from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._neighborhood_geometry import (
     check_exportable,
     check_geometry,
     dense_allowed,
     grid_from_meta,
     is_grid_list,
+    rows_position,
 )
 from mmattn.attention._packed_checks import check_packed, check_values
+from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
+from mmattn.kernels._neighborhood_terms import softmax_modifiers
 from mmattn.kernels.dense import attend, explicit_reasons, report, reporting
+from mmattn.kernels.modifiers import with_bias
 from mmattn.kernels.neighborhood import (
     build_plan,
     choose_tiles,
@@ -42,6 +48,7 @@ from mmattn.kernels.neighborhood import (
 )
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
 from mmattn.masks import merge_masks
+from mmattn.relative_position import RelativePositionBias
 
 __all__ = ["NeighborhoodAttention"]
 
@@ -92,6 +99,13 @@ class NeighborhoodAttention(MultiHeadAttention):
         num_kv_heads: key/value heads (grouped-query attention), as :class:`MultiHeadAttention`.
         position: applied to q and k after the head split (e.g. ``"rotary"``), positions
             counted along each item's token order from 0.
+        sinks, softcap, alibi: score modifiers, as :class:`MultiHeadAttention`; ALiBi's
+            distance is Euclidean between grid cells (0 for a pair with a global token).
+        relative_position_bias: NAT's learned bias per relative offset in the window
+            (``rpb``): True builds a :class:`~mmattn.position.RelativePositionBias` for
+            ``kernel_size``; or pass one (``RelativePositionBias.from_nat(rpb)`` reads a NAT
+            checkpoint). Offsets count in units of the dilation, as NATTEN's; 0 for a pair
+            with a global token (docs/variants.md, "Score modifiers").
 
     Shape:
         - query: (B, L, D) or (L, D), or packed (B, L*, D); key, value: the same lengths
@@ -103,7 +117,8 @@ class NeighborhoodAttention(MultiHeadAttention):
 
     Raises:
         TypeError: ``kernel_size`` or ``dilation`` is not an int or a pair of ints.
-        ValueError: an even kernel, a kernel or dilation < 1, ``num_global_tokens`` < 0; in
+        ValueError: an even kernel, a kernel or dilation < 1, ``num_global_tokens`` < 0, a
+            ``relative_position_bias`` for another window or head count, ``softcap`` <= 0; in
             ``forward``: no ``grid``, a grid whose rows · cols does not match the tokens, a
             grid list of the wrong length, ``is_causal=True``, key and query lengths that
             differ, plus every check of :class:`MultiHeadAttention`.
@@ -140,6 +155,10 @@ class NeighborhoodAttention(MultiHeadAttention):
         dtype: torch.dtype | None = None,
         num_kv_heads: int | None = None,
         position: nn.Module | Callable[..., Tensor] | str | None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
+        relative_position_bias: bool | RelativePositionBias = False,
     ) -> None:
         self.kernel_size = checks.check_kernel("kernel_size", kernel_size)
         self.dilation = checks.check_pair("dilation", dilation, what="(rows, cols)")
@@ -149,8 +168,15 @@ class NeighborhoodAttention(MultiHeadAttention):
         super().__init__(
             embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,
-            position=position,
+            position=position, sinks=sinks, softcap=softcap, alibi=alibi,
         )
+        init_position_bias(self, relative_position_bias, device, dtype)
+
+    def reset_parameters(self) -> None:
+        """As :meth:`MultiHeadAttention.reset_parameters`, then the bias table (Swin's draw)."""
+        super().reset_parameters()
+        if getattr(self, "relative_position_bias", None) is not None:
+            self.relative_position_bias.reset_parameters()
 
     def extra_repr(self) -> str:
         parts = [super().extra_repr(), f"kernel_size={self.kernel_size}"]
@@ -158,6 +184,8 @@ class NeighborhoodAttention(MultiHeadAttention):
             parts.append(f"dilation={self.dilation}")
         if self.num_global_tokens:
             parts.append(f"num_global_tokens={self.num_global_tokens}")
+        if self.relative_position_bias is not None:
+            parts.append("relative_position_bias=True")
         return ", ".join(parts)
 
     def geometry(self, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -209,6 +237,7 @@ class NeighborhoodAttention(MultiHeadAttention):
         })
         if traced is not None:  # torch.fx: one call_module node (see attention/_fx.py)
             return traced
+        reject_sparse_mask(self, attn_mask)  # TypeError naming attn_mask (attention/_sparse.py)
         _check_not_causal(is_causal)
         if is_jagged(query) or is_jagged(key) or is_jagged(value):
             key = default(key, query)
@@ -300,7 +329,7 @@ class NeighborhoodAttention(MultiHeadAttention):
         k = rearrange(self.k_proj(kv), "t (k e) -> t k e", k=self.num_kv_heads)
         v = rearrange(self.v_proj(vv), "t (k e) -> t k e", k=self.num_kv_heads)
         if self.position is not None:
-            q, k = (_rows_position(self.position, t, lengths) for t in (q, k))
+            q, k = (rows_position(self.position, t, lengths) for t in (q, k))
         out = weights = None
         if items:
             tiles = choose_tiles(items, self.kernel_size, self.dilation)
@@ -308,11 +337,14 @@ class NeighborhoodAttention(MultiHeadAttention):
                 qv.shape[0], items, self.kernel_size, self.dilation, tiles, qv.device
             )
             dropout_p = self.dropout if self.training else 0.0
+            mods, table = score_modifiers(self), position_table(self)
             if reporting():  # packed rows (the kernel reports the padded form itself)
-                report("neighborhood", explicit_reasons(need_weights), q=q, k=k, v=v,
-                       mask=None, dropout_p=dropout_p, plan=plan)
+                report("neighborhood", explicit_reasons(need_weights, mods), q=q, k=k, v=v,
+                       mask=None, dropout_p=dropout_p, plan=plan, modifiers=mods,
+                       position_bias=table)
             out, weights = neighborhood_rows(
-                q, k, v, plan, dropout_p=dropout_p, need_weights=need_weights
+                q, k, v, plan, dropout_p=dropout_p, need_weights=need_weights, modifiers=mods,
+                table=table,
             )
         else:
             out = q.new_zeros(0, self.num_heads, self.head_dim)
@@ -371,7 +403,9 @@ class NeighborhoodAttention(MultiHeadAttention):
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, grid: Any, grid_start: Any,
         *, dropout_p: float, need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """The attention step on head-split tensors, with the call's geometry."""
+        """The attention step on head-split tensors, with the call's geometry and the
+        module's score modifiers (all passed down with the call)."""
+        mods, table = score_modifiers(self), position_table(self)
         key_mask = None
         if mask is not None:
             if mask.shape[-2] != 1 or mask.shape[-3] != 1:  # an attn_mask: dense fallback
@@ -385,12 +419,18 @@ class NeighborhoodAttention(MultiHeadAttention):
                     mask = mask & allowed
                 else:
                     mask = torch.where(allowed, mask, float("-inf"))
-                return attend(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights)
+                term = dense_terms(
+                    self, grid, grid_start, 1 if same else q.shape[0], q.shape[2],
+                    None if mods is None else mods.slopes, table, q.device, q.dtype,
+                )
+                return attend(q, k, v, with_bias(mask, term), dropout_p=dropout_p,
+                              need_weights=need_weights, modifiers=softmax_modifiers(mods))
             key_mask = mask[:, 0, 0]  # only key padding: (b, j), True = real key
         return neighborhood_attend(
             q, k, v, grid, self.kernel_size, dilation=self.dilation,
             num_global_tokens=self.num_global_tokens, grid_start=grid_start,
             key_mask=key_mask, dropout_p=dropout_p, need_weights=need_weights,
+            modifiers=mods, table=table,
         )
 
 
@@ -401,16 +441,3 @@ def _check_not_causal(is_causal: bool) -> None:
             "causal order; use LocalAttention(causal=True) for sequences"
         )
 
-
-def _rows_position(position: Callable[..., Tensor], x: Tensor, lengths: list[int]) -> Tensor:
-    """``position(x, 0)`` on each item of packed rows (t, h, e), positions from 0 per item."""
-    if not lengths:
-        return x
-    longest = max(lengths)
-    offsets = torch.tensor([0, *lengths], device=x.device).cumsum(0)[:-1]
-    slot = torch.arange(longest, device=x.device)
-    real = slot[None, :] < torch.tensor(lengths, device=x.device)[:, None]  # (b, l)
-    index = torch.where(real, offsets[:, None] + slot[None, :], x.shape[0])
-    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]  # (b, l, h, e)
-    moved = rearrange(position(rearrange(padded, "b l h e -> b h l e"), 0), "b h l e -> b l h e")
-    return moved[real]

@@ -28,7 +28,9 @@ from torch import nn
 from mmattn import _checks as checks
 from mmattn.blocks._geometry import fused_edges
 from mmattn.blocks._packed import map_packed
+from mmattn.blocks._pattern import check_pattern
 from mmattn.blocks.transformer import CrossAttentionBlock, Encoder, TransformerBlock
+from mmattn.patterns import Pattern
 from mmattn.registry import AttentionSpec
 from mmattn.tokens import RESERVED_NAMES, Tokens
 
@@ -81,6 +83,10 @@ class MultiModalEncoder(nn.Module):
         attention, attention_kwargs: the self-attention of every block, as in
             :class:`~mmattn.blocks.TransformerBlock` (the latents' cross-attention stays
             :class:`~mmattn.CrossAttention`).
+        pattern: a :mod:`mmattn.patterns` Pattern ("concat" only), compiled once per
+            forward on the fused Tokens, whose meta holds the spans, each modality's grid
+            and the fused ``edge_index``: e.g. ``P.per_modality(within={"text": P.causal(),
+            "image": P.neighborhood(7), "graph": P.edges()}, across=P.full())``.
         device, dtype: factory arguments for the encoder's own parameters (adapters keep
             theirs).
 
@@ -99,7 +105,7 @@ class MultiModalEncoder(nn.Module):
             keys the encoder writes); a part's ``meta["edge_bias"]`` that does not fit its
             edges;
             an adapter of another width; modalities with different batch sizes; unknown
-            ``fusion``.
+            ``fusion``; ``pattern`` with ``fusion="latent"``.
 
     Examples:
         >>> class Vectors(nn.Module):
@@ -126,6 +132,7 @@ class MultiModalEncoder(nn.Module):
         attention_kwargs: Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        pattern: Pattern | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(adapters, Mapping):
@@ -154,6 +161,11 @@ class MultiModalEncoder(nn.Module):
                     f"adapters[{name!r}] has embed_dim={width}, expected embed_dim={embed_dim}"
                 )
         checks.check_choice("fusion", fusion, _FUSIONS)
+        if check_pattern(pattern) is not None and fusion != "concat":
+            raise ValueError(
+                'pattern= needs fusion="concat" (the latents have no spans to pattern), got '
+                f"fusion={fusion!r}"
+            )
         factory = checks.check_factory(device, dtype)
         self.embed_dim = embed_dim
         self.depth = depth
@@ -167,7 +179,9 @@ class MultiModalEncoder(nn.Module):
         attention_kw = {"attention": attention, "attention_kwargs": attention_kwargs}
         if fusion == "concat":
             self.num_latents = None
-            self.encoder = Encoder(embed_dim, depth, num_heads, **block_kw, **attention_kw)
+            self.encoder = Encoder(
+                embed_dim, depth, num_heads, **block_kw, **attention_kw, pattern=pattern
+            )
         else:
             self.num_latents = checks.check_positive_int("num_latents", num_latents)
             self.latents = nn.Parameter(torch.empty(num_latents, embed_dim, **factory))

@@ -27,9 +27,11 @@ from mmattn.attention.cross import CrossAttention
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.blocks._packed import attend_packed, check_same_layout
 from mmattn.blocks._parts import MLP, block_attn_mask, check_common
+from mmattn.blocks._pattern import block_forward, check_pattern, encoder_forward, uses_pattern
 from mmattn.blocks._streaming import StreamingEncoder
 from mmattn.cache import ContextCache, EncoderCache
 from mmattn.kernels.packed import contiguous_parts, jagged
+from mmattn.patterns import Pattern
 from mmattn.registry import AttentionSpec, build_attention, resolve_attention
 from mmattn.tokens import Tokens, check_tokens
 
@@ -65,11 +67,13 @@ class TransformerBlock(nn.Module):
         device, dtype: factory arguments.
         attention_kwargs: more arguments for the attention (``num_kv_heads``, ``position``,
             ``seq_len``/``proj_len`` for "linformer", ...).
+        pattern: a :mod:`mmattn.patterns` Pattern, compiled on each call's Tokens and run
+            block-sparse (MultiHeadAttention only; packed Tokens run padded; docs/patterns.md).
 
     Shape:
         - tokens: Tokens with x (B, L, D), mask (B, L)
         - attn_mask: module direction (True = not allowed) or additive, (L, L), (B, L, L)
-          or (B * H, L, L)
+          or (B * H, L, L); or a :class:`~mmattn.patterns.SparseMask`
         - returns: Tokens with x (B, L, D), the same mask and meta
 
     Raises:
@@ -106,6 +110,7 @@ class TransformerBlock(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         attention_kwargs: Mapping[str, Any] | None = None,
+        pattern: Pattern | None = None,
     ) -> None:
         super().__init__()
         hidden = check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
@@ -121,6 +126,7 @@ class TransformerBlock(nn.Module):
         self.attention = label
         self.causal = checks.check_bool("causal", causal)
         self.window_size = window_size
+        self.pattern = check_pattern(pattern)
         self.norm1 = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
         self.attn = build_attention(
             attention, embed_dim, num_heads, dropout=dropout, bias=bias, attention_kwargs=kwargs,
@@ -182,6 +188,8 @@ class TransformerBlock(nn.Module):
         if traced is not None:  # torch.fx: one call_module node (attention/_fx.py)
             return traced
         check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
+        if uses_pattern(self.pattern, attn_mask):  # block-sparse: blocks/_pattern.py
+            return block_forward(self, tokens, attn_mask, cache)
         attn_mask = block_attn_mask(
             attn_mask, tokens.batch_size, self.num_heads, tokens.length, tokens.length
         )
@@ -191,15 +199,20 @@ class TransformerBlock(nn.Module):
             values, offsets = contiguous_parts(tokens.x)
             rows = self.packed_rows(values, offsets, attn_mask, self.geometry(tokens.meta))
             return tokens.replace(jagged(rows, offsets))
+        return self._padded(tokens, attn_mask, cache=cache)
+
+    def _padded(self, tokens: Tokens, attn_mask: Any, *, own: bool = False,
+                cache: Any = None) -> Tokens:
+        """The block on padded Tokens; ``own``: ``attn_mask`` was compiled from these Tokens
+        with the causal rule (no key padding or ``is_causal`` to add)."""
         x = tokens.zero_padding()
         h = self.norm1(x)
-        kwargs = {"is_causal": True} if self.causal else {}
+        kwargs = {"is_causal": True} if self.causal and not own else {}
         kwargs.update(self.geometry(tokens.meta))
         if cache is not None:
             kwargs["cache"] = cache
-        attn, _ = self.attn(
-            h, h, h, key_padding_mask=tokens.key_padding_mask, attn_mask=attn_mask, **kwargs
-        )
+        padding = None if own else tokens.key_padding_mask
+        attn, _ = self.attn(h, h, h, key_padding_mask=padding, attn_mask=attn_mask, **kwargs)
         x = x + attn
         x = x + self.mlp(self.norm2(x))
         return tokens.replace(tokens.zero_padding(x))
@@ -343,12 +356,14 @@ class Encoder(StreamingEncoder, nn.Module):
         bias: biases in every block.
         mlp_ratio, attention, window_size, causal, norm_eps, attention_kwargs: passed to
             every block (each block builds its own attention).
+        pattern: a :mod:`mmattn.patterns` Pattern, compiled once per forward on the input
+            Tokens and shared by every block (see :class:`TransformerBlock`).
         final_norm: apply a LayerNorm after the last block.
         device, dtype: factory arguments.
 
     Shape:
-        - tokens: Tokens with x (B, L, D); attn_mask as in :class:`TransformerBlock`, shared
-          by every block
+        - tokens: Tokens with x (B, L, D); attn_mask as in :class:`TransformerBlock` (or a
+          SparseMask), shared by every block
         - returns: Tokens with x (B, L, D), the same mask and meta; padded rows are 0
 
     Raises:
@@ -379,10 +394,12 @@ class Encoder(StreamingEncoder, nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         attention_kwargs: Mapping[str, Any] | None = None,
+        pattern: Pattern | None = None,
     ) -> None:
         super().__init__()
         self.depth = checks.check_positive_int("depth", depth)
         self.embed_dim = embed_dim
+        self.pattern = check_pattern(pattern)
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 embed_dim, num_heads, dropout, bias, mlp_ratio=mlp_ratio, attention=attention,
@@ -415,6 +432,8 @@ class Encoder(StreamingEncoder, nn.Module):
         if cache is not None:
             return self._stream(tokens, cache, attn_mask)
         check_tokens("tokens", tokens, self.embed_dim, like=checks.first_param(self))
+        if uses_pattern(self.pattern, attn_mask):  # compiled once for every block
+            return encoder_forward(self, tokens, attn_mask)
         if tokens.is_packed:  # unwrap once: every block works on the packed rows
             values, offsets = contiguous_parts(tokens.x)
             attn_mask = block_attn_mask(

@@ -201,8 +201,9 @@ class Session:
                 return "rows", iter(())
             slots = self._slots(record, call, record["inputs"][0])
             return "rows", views.band_tiles(record, slots)
-        if record.get("modifiers") and path not in ("local", "fused", "explicit", "chunked",
-                                                     "packed"):
+        if (record.get("modifiers") or record.get("position_bias") is not None) and (
+            path not in ("local", "fused", "explicit", "chunked", "packed")
+        ):
             raise Unsupported(f"score modifiers on the {path!r} kernel are not applied by "
                               "attention_mass")
         if path == "neighborhood":

@@ -45,6 +45,8 @@ PATH_NOTES = {
     "torch": "torch.nn.MultiheadAttention's own kernels (not seen by mmattn)",
     "edge": "along the edges: SDDMM scores + CSR SpMM per head, O(E·h) kept for backward",
     "edge-explicit": "along the edges, the explicit gather / index_add twin (O(E·h·e))",
+    "block-sparse": "a compiled pattern (SparseMask): only its non-empty tiles, one batched "
+                    "call per bucket of query tiles",
 }
 
 
@@ -56,8 +58,9 @@ class AttentionCall:
         module: the qualified name of the module that ran it ("" for the model itself).
         cls: that module's class name.
         path: "fused" (``F.scaled_dot_product_attention``), "explicit" (softmax spelled
-            out), "local" (blocked band kernel), "chunked" (additive scores), "packed" or
-            "torch" (an ``nn.MultiheadAttention`` of torch's own).
+            out), "local" (blocked band kernel), "chunked" (additive scores), "packed",
+            "block-sparse" (a compiled pattern) or "torch" (an ``nn.MultiheadAttention`` of
+            torch's own).
         backend: the SDPA backend torch picks for these tensors ("flash", "efficient",
             "math", "cudnn"), when SDPA runs; None otherwise.
         reasons: why the call did not run a fused kernel (empty when it did).
@@ -71,6 +74,7 @@ class AttentionCall:
         dropout_p: dropout on the weights in this call (0 in eval mode).
         modifiers: the score modifiers of the call (``["sinks", "softcap=30", "alibi"]``;
             :mod:`mmattn.kernels.modifiers`), empty without.
+        density: for a "block-sparse" call, the share of tiles it computed (else None).
     """
 
     module: str
@@ -86,6 +90,7 @@ class AttentionCall:
     device: str = ""
     dropout_p: float = 0.0
     modifiers: list[str] = field(default_factory=list)
+    density: float | None = None
 
     @property
     def fused(self) -> bool:
@@ -238,15 +243,19 @@ def _record(report: dict, module: str, cls: str) -> AttentionCall:
         reasons.append("LocalAttention was given an (L, L) attn_mask: it ran dense O(L²) "
                        "attention with the band AND that mask")
     tensor = q if isinstance(q, Tensor) else None
+    density = report.get("density")
+    described = _describe_mask(mask if isinstance(mask, Tensor) else None, is_causal)
+    if density is not None:
+        described = f"block-sparse {report.get('block')}: density {density:.3f}"
     return AttentionCall(
         module=module, cls=cls, path=path, backend=backend, reasons=reasons,
         q=tuple(q.shape) if tensor is not None else (),
         k=tuple(k.shape) if isinstance(k, Tensor) else (),
         v=tuple(v.shape) if isinstance(v, Tensor) else (),
-        mask=_describe_mask(mask if isinstance(mask, Tensor) else None, is_causal),
+        mask=described,
         dtype=str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
         device=str(tensor.device) if tensor is not None else "",
-        dropout_p=dropout_p,
+        dropout_p=dropout_p, density=density,
         modifiers=report["modifiers"].names() if report.get("modifiers") else [],
     )
 

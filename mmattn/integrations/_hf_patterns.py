@@ -16,6 +16,11 @@ kernel runs only where the mask is *proved* to be the pattern that kernel comput
 - **packed sequences** (``DataCollatorWithFlattening``): ``position_ids`` restart at 0 and the
   mask must equal "same sequence and causal". Then the bucketed packed kernel
   (:mod:`mmattn.kernels.packed`) runs each sequence on its own, never a (t, t) attention.
+- **mostly empty tiles** (any other (b, 1, l, l) bool mask: Gemma 3's bidirectional images,
+  a window over them, chunks, documents): when at least half of the mask's 64 × 64 tiles
+  hold no allowed pair, :mod:`mmattn.integrations._hf_sparse` reads it once into a
+  SparseMask and :mod:`mmattn.kernels.block_sparse` runs the non-empty tiles only, the
+  partial ones masked exactly, so the numbers are the dense kernel's on the same mask.
 
 The proof is one pass over the mask, remembered on the mask tensor (every layer of a forward
 shares it). Anything else runs the dense kernel on the mask as given.
@@ -293,3 +298,8 @@ def score_modifiers(
         )
     mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
     return mods if mods else None
+
+
+def heads_last(out: Tensor) -> Tensor:
+    """(b, h, i, e) → (b, i, h, e), contiguous: the layout transformers expects back."""
+    return rearrange(out, "b h i e -> b i h e").contiguous()

@@ -18,12 +18,12 @@ padding and windows are silently dropped), and only the class-wide ``register`` 
 writing ``ALL_MASK_ATTENTION_FUNCTIONS[name] = fn`` puts it where transformers never looks.
 
 ``attention_forward`` runs mmattn's kernels: the dense one (fused SDPA or its explicit twin,
-``MMATTN_FUSED_ATTN``), the O(L·w) blocked band for sliding windows and the bucketed packed
-kernel for ``DataCollatorWithFlattening`` batches; see :mod:`mmattn.integrations._hf_patterns`
-for when each runs. gpt-oss's attention sinks (``s_aux``) and Gemma 2's soft cap
-(``softcap``) are score modifiers of every one of them (:mod:`mmattn.kernels.modifiers`),
-together with ``sliding_window``. An argument it cannot honour raises, naming the model and
-the argument; nothing is silently ignored.
+``MMATTN_FUSED_ATTN``), the O(L·w) blocked band for sliding windows, the bucketed packed
+kernel for ``DataCollatorWithFlattening`` batches and the block-sparse one for masks whose
+64-tiles are at least half empty (``_hf_patterns``, ``_hf_sparse`` say when each runs).
+gpt-oss's sinks (``s_aux``) and Gemma 2's ``softcap`` are score modifiers of the dense, band
+and packed kernels, with ``sliding_window``. An argument it cannot honour raises, naming the
+model and the argument; nothing is silently ignored.
 
 ``import mmattn`` never imports transformers; :func:`register` does, and raises ImportError
 naming the ``mmattn[hf]`` extra when it is missing.
@@ -36,10 +36,11 @@ import numbers
 from typing import Any
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn.integrations import _hf_patterns as _patterns
+from mmattn.integrations import _hf_sparse as _sparse
+from mmattn.integrations._hf_patterns import heads_last
 from mmattn.kernels import dense as _kernel
 
 #: The name :func:`register` uses by default.
@@ -233,7 +234,7 @@ def attention_forward(
                     query, key, value, lengths, dropout_p=dropout, scale=scaling, groups=groups,
                     modifiers=mods,
                 )
-                return _heads_last(out), None
+                return heads_last(out), None
         if sliding_window is not None:
             pattern = _patterns.window_pattern(mask, int(sliding_window))
             if pattern is not None:
@@ -241,18 +242,18 @@ def attention_forward(
                     query, key, value, pattern, dropout_p=dropout, scale=scaling, groups=groups,
                     modifiers=mods,
                 )
-                return _heads_last(out), None
+                return heads_last(out), None
+    sparse = _sparse.try_sparse(query, key, value, mask, mods, dropout_p=dropout, scale=scaling,
+                                need_weights=need_weights, groups=groups)
+    if sparse is not None:  # a bool mask whose 64-tiles are at least half empty
+        return heads_last(sparse[0]), sparse[1]
     if mask is not None and mask.dtype == torch.bool:
         mask = _patterns.key_rows(mask)
     out, weights = _kernel.attend(
         query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling,
         need_weights=need_weights, groups=groups, modifiers=mods,
     )
-    return _heads_last(out), weights
-
-
-def _heads_last(out: Tensor) -> Tensor:
-    return rearrange(out, "b h i e -> b i h e").contiguous()
+    return heads_last(out), weights
 
 
 def _with_bias(

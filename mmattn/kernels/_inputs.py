@@ -15,6 +15,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn.kernels._neighborhood_plan import Item
+from mmattn.kernels.modifiers import Modifiers
 
 #: Who provides a grid, for the messages.
 PROVIDER = "adapters.ImagePatcher sets it"
@@ -74,6 +75,37 @@ def check_key_mask(key_mask: object, shape: tuple, like: Tensor, layout: str) ->
     checks.check_mask_dtype("key_mask", key_mask)
     checks.check_shape("key_mask", key_mask, shape, layout)
     checks.check_same_device("key_mask", key_mask, "q", like)
+
+
+def check_modifiers(
+    modifiers: object, table: object, heads: int, kernel: tuple[int, int], like: Tensor
+) -> None:
+    """None or a :class:`~mmattn.kernels.modifiers.Modifiers` whose sinks / slopes are (h,);
+    ``table`` None or a floating ((2 kh − 1)(2 kw − 1), h) tensor, both on ``like``'s device.
+
+    Raises:
+        TypeError: another type, an integer table.
+        ValueError: another shape or device.
+    """
+    if modifiers is not None:
+        if not isinstance(modifiers, Modifiers):
+            raise TypeError(
+                f"modifiers must be a mmattn.kernels.modifiers.Modifiers or None, got "
+                f"{type(modifiers).__name__}"
+            )
+        for name in ("sinks", "slopes"):
+            value = getattr(modifiers, name)
+            if value is not None:
+                checks.check_tensor(f"modifiers.{name}", value)
+                checks.check_shape(f"modifiers.{name}", value, (heads,), "(h,)")
+                checks.check_same_device(f"modifiers.{name}", value, "q", like)
+    if table is not None:
+        checks.check_tensor("table", table)
+        if not table.is_floating_point():
+            raise TypeError(f"table must be a floating tensor, got {table.dtype}")
+        offsets = (2 * kernel[0] - 1) * (2 * kernel[1] - 1)
+        checks.check_shape("table", table, (offsets, heads), "((2 kh - 1)(2 kw - 1), h)")
+        checks.check_same_device("table", table, "q", like)
 
 
 def check_options(dropout_p: object, scale: object, need_weights: object) -> None:

@@ -9,8 +9,11 @@ global tokens, ``g`` / ``j`` their global queries / keys, ``l`` tokens of an ite
 index r) and runs every tile of every copy as ONE batched attention call: a padded batch on
 one grid shares the plan of one item (c = batch, gathers along the token axis; this is also
 the traceable form that ``torch.export`` and ``torch.compile`` take), per-item grids and
-packed rows use a plan over all their rows (c = 1). Nothing here checks its input: the
-public functions of :mod:`mmattn.kernels.neighborhood` do, and the layer checks its own.
+packed rows use a plan over all their rows (c = 1). Score modifiers come with the call:
+sinks and softcap join every attention call, the grid's ALiBi and NAT's table are an
+additive term on every tile (:mod:`._neighborhood_terms`, none for global queries).
+Nothing here checks its input: the public functions of :mod:`mmattn.kernels.neighborhood`
+do, and the layer checks its own.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from mmattn.kernels._neighborhood_plan import (
     shared_plan,
     tile_mask,
 )
+from mmattn.kernels._neighborhood_terms import softmax_modifiers, tile_terms
+from mmattn.kernels.modifiers import Modifiers, with_bias
 
 
 def run_tiles(
@@ -45,15 +50,24 @@ def run_tiles(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
+    modifiers: Modifiers | None = None,
+    table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Neighbourhood attention of ``c`` copies of the plan's rows.
 
+    ``modifiers``: sinks, softcap and ALiBi (its distance is the grid's); ``table``: NAT's
+    relative-position bias table (:mod:`._neighborhood_terms`).
+
     Shape:
         - q: (c, r, h, e); k, v: (c, r, k, e) / (c, r, k, e_v); key_mask: (c, r) bool
-          (True = real key) or float (added), or None
+          (True = real key) or float (added), or None; table: ((2 kh − 1)(2 kw − 1), h)
         - returns: (c, r, h, e_v), and weights (c, r, h, plan.width) or None
     """
     copies, _, heads, width = q.shape
+    mods = softmax_modifiers(modifiers)  # sinks, softcap: every call; ALiBi: in the term
+    term = tile_terms(plan, modifiers, table, q.dtype)  # (n, h, s, t) or None
+    if term is not None and copies > 1:  # the same term for every copy of the plan
+        term = term.repeat(copies, 1, 1, 1)
     scale = 1.0 / math.sqrt(width) if scale is None else scale
     n, slots, keys = plan.tile_shape
     qz, kz, vz = (F.pad(t, (0, 0, 0, 0, 0, 1)) for t in (q, k, v))  # the zero row at r
@@ -65,11 +79,13 @@ def run_tiles(
     kt = rearrange(kz.index_select(1, plan.k_index), "c (n t) k e -> (c n) k t e", n=n)
     vt = rearrange(vz.index_select(1, plan.k_index), "c (n t) k e -> (c n) k t e", n=n)
     traced = exporting() or torch.compiler.is_compiling()
-    if km is None and not need_weights and not traced and _kernel.use_fused_attn():
+    fused = _kernel.use_fused_attn() and not (mods is not None and mods.explicit)
+    if km is None and not need_weights and not traced and fused:
         # No key mask: every real query sees itself, every empty slot sees all; no dead row.
-        out_t = F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=tile_mask(plan, qt.dtype, copies), dropout_p=dropout_p,
-            scale=scale, enable_gqa=qt.shape[1] != kt.shape[1],
+        out_t = _kernel.sdpa(
+            qt, kt, vt, with_bias(tile_mask(plan, qt.dtype, copies), term),
+            dropout_p=dropout_p, scale=scale, groups=qt.shape[1] // kt.shape[1],
+            dead_rows=False, sinks=None if mods is None else mods.sinks,
         )
         w_t = None
     else:
@@ -79,8 +95,8 @@ def run_tiles(
         mask = merge_key_mask(plan.allowed[None], km_t)  # (c or 1, n, s, t)
         mask = rearrange(mask.expand(copies, n, slots, keys), "c n s t -> (c n) 1 s t")
         out_t, w_t = _kernel.attend(
-            qt, kt, vt, mask, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
-            report_path=False,
+            qt, kt, vt, with_bias(mask, term), dropout_p=dropout_p, scale=scale,
+            need_weights=need_weights, report_path=False, modifiers=mods,
         )
     parts = [rearrange(out_t, "(c n) h s e -> c (n s) h e", n=n)]
     w_g = None
@@ -97,7 +113,7 @@ def run_tiles(
         gm = rearrange(gm.expand(copies, *gm.shape[1:]), "c b 1 1 j -> (c b) 1 1 j")
         out_g, w_g = _kernel.attend(
             gq, gk, gv, gm, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
-            report_path=False,
+            report_path=False, modifiers=mods,
         )
         parts.append(rearrange(out_g, "(c b) h g e -> c (b g) h e", b=items))
     parts.append(out_t.new_zeros(copies, 1, heads, v.shape[-1]))
@@ -147,10 +163,13 @@ def attend_padded(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
+    modifiers: Modifiers | None = None,
+    table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Neighbourhood attention of a padded batch: with ``shared`` the one item of ``items``
     is every item's geometry (one plan for all), else ``items`` lists every item; ``tiles``
-    None: :func:`~mmattn.kernels.neighborhood.choose_tiles`.
+    None: :func:`~mmattn.kernels.neighborhood.choose_tiles`; ``modifiers``, ``table``: as
+    :func:`run_tiles`.
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e); key_mask: (b, l) or None
@@ -166,7 +185,8 @@ def attend_padded(
         rows = [rearrange(t, "b h l e -> 1 (b l) h e") for t in (q, k, v)]
         key_mask = None if key_mask is None else key_mask.reshape(1, -1)
     out, weights = run_tiles(
-        *rows, plan, key_mask, dropout_p=dropout_p, scale=scale, need_weights=need_weights
+        *rows, plan, key_mask, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
+        modifiers=modifiers, table=table,
     )
     rows_of = "b i" if shared else "1 (b i)"  # the rows: one copy per item, or all in one
     out = rearrange(out, f"{rows_of} h e -> b h i e", b=batch)

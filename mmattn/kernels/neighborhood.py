@@ -46,6 +46,7 @@ from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._neighborhood import attend_padded, run_tiles
 from mmattn.kernels._neighborhood_plan import Item, Plan, cached_plan, choose_tiles
+from mmattn.kernels.modifiers import Modifiers
 
 __all__ = [
     "Item",
@@ -148,6 +149,8 @@ def neighborhood_rows(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
+    modifiers: Modifiers | None = None,
+    table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Neighbourhood attention on flat rows, after :func:`build_plan`.
 
@@ -158,6 +161,7 @@ def neighborhood_rows(
         dropout_p: dropout on the attention weights.
         scale: score scale; default ``1 / sqrt(e)``.
         need_weights: also return each row's weights over its item's tokens.
+        modifiers, table: as :func:`neighborhood_attend` (the plan's kernel and dilation).
 
     Shape:
         - q: (r, h, e); k: (r, k, e); v: (r, k, e_v) with ``k`` dividing ``h``
@@ -165,7 +169,8 @@ def neighborhood_rows(
 
     Raises:
         TypeError / ValueError: tensors that do not fit together, a plan built for another
-            number of rows, a key mask of another shape or an integer one.
+            number of rows, a key mask of another shape or an integer one, modifiers or a
+            table of other heads or another window.
 
     Examples:
         >>> items = packed_items([6, 4], [(2, 3), (2, 2)])
@@ -189,9 +194,11 @@ def neighborhood_rows(
         )
     _inputs.check_key_mask(key_mask, (q.shape[0],), q, "(r,)")
     _inputs.check_options(dropout_p, scale, need_weights)
+    _inputs.check_modifiers(modifiers, table, q.shape[1], plan.key[3], q)
     out, weights = run_tiles(
         q[None], k[None], v[None], plan, None if key_mask is None else key_mask[None],
         dropout_p=dropout_p, scale=scale, need_weights=need_weights,
+        modifiers=modifiers or None, table=table,
     )
     return out[0], (None if weights is None else weights[0])
 
@@ -211,6 +218,8 @@ def neighborhood_attend(
     scale: float | None = None,
     need_weights: bool = False,
     tiles: tuple[int, int] | None = None,
+    modifiers: Modifiers | None = None,
+    table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Neighbourhood attention on a padded batch of head-split tensors.
 
@@ -226,6 +235,11 @@ def neighborhood_attend(
         dropout_p, scale: as :func:`mmattn.kernels.dense.attend`.
         need_weights: also return the dense (b, h, l, l) weights (O(l²) memory).
         tiles: tile shape; default :func:`choose_tiles`.
+        modifiers: sinks, softcap and ALiBi (:class:`~mmattn.kernels.modifiers.Modifiers`);
+            ALiBi's distance is Euclidean between grid cells, 0 for a pair with a global
+            token (:mod:`._neighborhood_terms`).
+        table: ((2 kh − 1)(2 kw − 1), h) relative-position bias table in Swin's layout
+            (NAT's ``rpb``), or None.
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e) with ``k`` dividing ``h``
@@ -233,7 +247,8 @@ def neighborhood_attend(
 
     Raises:
         TypeError / ValueError: tensors that do not fit together; a grid that is not
-            (rows, cols) ints or does not fit the length; an even kernel, a dilation < 1.
+            (rows, cols) ints or does not fit the length; an even kernel, a dilation < 1;
+            modifiers or a table of other heads or another window.
         NotImplementedError: while exporting, per-item grids or ``need_weights``.
 
     Examples:
@@ -255,6 +270,8 @@ def neighborhood_attend(
                                                   minimum=0)
     _inputs.check_key_mask(key_mask, (batch, length), q, "(b, l)")
     _inputs.check_options(dropout_p, scale, need_weights)
+    _inputs.check_modifiers(modifiers, table, heads, kernel, q)
+    modifiers = modifiers or None
     if tiles is not None:
         tiles = checks.check_pair("tiles", tiles, what="(rows, cols)")
     shared = not (_inputs.is_grid_list(grid) or isinstance(grid_start, (Sequence, Tensor)))
@@ -271,10 +288,10 @@ def neighborhood_attend(
     )
     if _kernel.reporting():
         _kernel.report(
-            "neighborhood", _kernel.explicit_reasons(need_weights), q=q, k=k, v=v,
+            "neighborhood", _kernel.explicit_reasons(need_weights, modifiers), q=q, k=k, v=v,
             mask=key_mask, dropout_p=dropout_p, is_causal=False, scale=scale,
             kernel_size=kernel, dilation=dilation, num_global_tokens=num_global_tokens,
-            grid=grid, grid_start=grid_start,
+            grid=grid, grid_start=grid_start, modifiers=modifiers, position_bias=table,
         )
     if not traced and (batch == 0 or length == 0):
         return _kernel.attend(q, k, v, None, need_weights=need_weights, report_path=False)
@@ -285,5 +302,6 @@ def neighborhood_attend(
     )
     return attend_padded(
         q, k, v, items, kernel, dilation, tiles, shared=shared, key_mask=key_mask,
-        dropout_p=dropout_p, scale=scale, need_weights=need_weights,
+        dropout_p=dropout_p, scale=scale, need_weights=need_weights, modifiers=modifiers,
+        table=table,
     )

@@ -90,3 +90,40 @@ def test_audio_stream_streams_the_offline_numbers(tmp_path, capsys):
     assert diff <= 1e-4
     assert "latency per 80 ms chunk: median" in out
     assert check["audio_stream/latency"].baseline == 80.0
+
+def test_interleaved_digits_pattern_keeps_documents_apart_and_captions_causal():
+    """What the example's decoding relies on: with the pattern, a caption byte never sees a
+    later byte or another document (so writing all of a row's captions at once is writing
+    each alone); with full attention it sees both."""
+    import torch
+
+    from examples import interleaved_digits as ex
+
+    torch.manual_seed(0)
+    images = torch.rand(ex.PER_ROW, 1, 8, 8)
+    text = ex.captions(torch.randint(0, 10, (ex.PER_ROW,)))
+    later = text.clone()
+    later[:, 4:] = text[0, 0]  # bytes 4.. changed
+    other = images.clone()
+    other[1] = 1.0 - other[1]  # document 1's image changed
+    for pattern in (ex.PATTERN, None):
+        model = ex.CaptionModel(pattern=pattern).eval()
+        with torch.no_grad():
+            base, moved, elsewhere = (model(i, t) for i, t in
+                                      ((images, text), (images, later), (other, text)))
+        rest = [0] + list(range(2, ex.PER_ROW))
+        kept = (torch.allclose(moved[:, :, :4], base[:, :, :4], atol=1e-5)
+                and torch.allclose(elsewhere[:, rest], base[:, rest], atol=1e-5))
+        assert kept == (pattern is not None)
+        assert not torch.allclose(elsewhere[:, 1], base[:, 1], atol=1e-5)
+
+
+def test_pattern_pictures_draw_every_primitive_and_recipe(tmp_path, capsys):
+    from examples import pattern_pictures
+
+    made = pattern_pictures.main(["--out", str(tmp_path)])
+    assert [p.name for p in made] == ["patterns_primitives.png", "patterns_recipes.png"]
+    assert all(p.stat().st_size > 5000 for p in made)
+    names = {label.split("\n")[-1].split("(")[0] for label, _, _ in pattern_pictures.PRIMITIVES}
+    assert {"P.full", "P.causal", "P.window", "P.chunked", "P.same", "P.modality",
+            "P.neighborhood", "P.edges"} == names

@@ -39,6 +39,16 @@ CASES = {
     "local": (lambda: mmattn.LocalAttention(D, H, 2), lambda m, n: m(_x(2, n))),
     "neighborhood": (lambda: mmattn.NeighborhoodAttention(D, H, 3),
                      lambda m, n: m(_x(2, 12), grid=(3, 4) if n == 6 else (2, 6))),
+    "neighborhood_modifiers": (
+        lambda: mmattn.NeighborhoodAttention(D, H, 3, num_global_tokens=1, sinks=True,
+                                             alibi=True, relative_position_bias=True),
+        lambda m, n: m(_x(2, 13), key_padding_mask=~_pad(2, 13),
+                       grid=(3, 4) if n == 6 else (2, 6)),
+    ),
+    "edge_modifiers": (
+        lambda: mmattn.EdgeAttention(D, H, sinks=True, softcap=5.0),
+        lambda m, n: m(_x(2, n), edge_index=torch.tensor([[0, 1, n], [1, 2, n + 1]])),
+    ),
     "edge": (lambda: mmattn.EdgeAttention(D, H),
              lambda m, n: m(_x(2, n), edge_index=torch.tensor([[0, 1, n], [1, 2, n + 1]]))),
     "block": (lambda: mmattn.TransformerBlock(D, H), lambda m, n: m(Tokens(_x(2, n), _pad(2, n)))),

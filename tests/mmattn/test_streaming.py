@@ -22,6 +22,7 @@ from mmattn import (
     Tokens,
     TransformerBlock,
 )
+from mmattn import patterns as P
 from mmattn.cache import ChunkCache, EncoderCache, KVCache
 from mmattn.functional import fused_attn
 
@@ -77,14 +78,16 @@ CASES = [(4, 0, 1, False), (4, 4, 2, True), (8, 1, 3, True), (32, 2, 4, False),
                               for c, lft, d, p in CASES])
 def test_streamed_encoder_equals_the_whole_clip_at_every_chunk(chunk, left, depth, padded,
                                                                 fused):
-    encoder = Encoder(D, depth, H, mlp_ratio=2.0,
+    encoder = Encoder(D, depth, H, mlp_ratio=2.0, pattern=P.chunked(chunk, left=left),
                       attention_kwargs={"position": "rotary", "num_kv_heads": 2}).eval()
-    encoder.pattern = _Chunked(chunk, left)
     length = 3 * chunk + chunk // 2 + 1  # the last chunk is shorter
     x, mask = clip(2, length, padded)
     allowed = chunked_allowed(mask, chunk, left)
     with fused_attn(fused), torch.no_grad():
+        pattern, encoder.pattern = encoder.pattern, None  # the reference: the naive mask
         want = encoder(Tokens(x, mask), attn_mask=~allowed).x
+        encoder.pattern = pattern  # as trained: the pattern, block-sparse, on the whole clip
+        torch.testing.assert_close(encoder(Tokens(x, mask)).x, want, atol=1e-5, rtol=0)
         cache = encoder.make_cache(2)
         for piece in chunks(length, chunk):
             got = encoder(Tokens(x[:, piece], mask[:, piece]), cache=cache).x

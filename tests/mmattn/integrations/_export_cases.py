@@ -121,12 +121,12 @@ def local_modifiers() -> nn.Module:
     return LocalAttention(D, H, window_size=3, causal=True, sinks=True, alibi=True, softcap=4.0)
 
 
-def _neighborhood(name: str, global_tokens: int) -> Case:
+def _neighborhood(name: str, global_tokens: int, **modifiers: Any) -> Case:
     """NeighborhoodAttention on a 5 × 6 grid: the length is the grid's, the batch dynamic."""
     length = global_tokens + 5 * 6
     return Case(
         name,
-        lambda: NeighborhoodAttention(D, 2, 3, num_global_tokens=global_tokens),
+        lambda: NeighborhoodAttention(D, 2, 3, num_global_tokens=global_tokens, **modifiers),
         lambda b, n: (
             (torch.randn(b, length, D),), {"key_padding_mask": padding(b, length), "grid": (5, 6)}
         ),
@@ -174,7 +174,9 @@ CASES = [
     _self_attention(mha_modifiers),
     _self_attention(local_modifiers),
     _neighborhood("neighborhood", 0),
-    _neighborhood("neighborhood_global", 1),
+    # global tokens with sinks, grid ALiBi and NAT's table (softcap's explicit tiles: no
+    # export path of their own; the plain tiles are the case above)
+    _neighborhood("neighborhood_global", 1, sinks=True, alibi=True, relative_position_bias=True),
     _tokens_case("block", lambda: TransformerBlock(D, 2)),
     _tokens_case("encoder_local", lambda: Encoder(D, 2, 2, attention="local", window_size=3)),
     Case(

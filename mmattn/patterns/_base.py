@@ -1,0 +1,254 @@
+"""``Pattern``: which query token may attend which key token, with its two faces.
+
+Axis key: ``b`` batch, ``i`` query position, ``j`` key position, ``n``/``m`` query/key tiles.
+
+Every pattern is a small object with two faces (FlexAttention's ``mask_mod`` beside its
+``BlockMask``):
+
+- :meth:`Pattern.rule` — the exact rule on broadcastable index tensors ``b, q, k`` (True =
+  may attend); it serves :meth:`~Pattern.dense` (indices over the whole (B, L, L) grid),
+  :meth:`~Pattern.compile` (indices inside the mixed tiles only) and
+  :meth:`~Pattern.mask_mod` (FlexAttention's scalar indices under ``vmap``);
+- :meth:`Pattern.bound` — for every (query tile, key tile) of a block size, two booleans
+  from per-tile ranges: ``may`` (some pair of the tile may be allowed) and ``must`` (every
+  pair is allowed). A tile is empty where not ``may``, full where ``must``, mixed between.
+
+Combinators combine both faces: ``a & b`` (may = may_a & may_b, must = must_a & must_b),
+``a | b`` (likewise with ``|``) and ``~a`` (may = ~must_a, must = ~may_a). The bounds stay
+sound, so only mixed tiles need the exact rule. Padding is one more rule that every pattern
+is ANDed with at the top: a padded key or a padded query row never attends, also under ``~``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from mmattn.patterns._context import Bound, Tiles, TokenContext, with_padding
+from mmattn.patterns._sparse_mask import SparseMask, compile_pattern
+from mmattn.tokens import Tokens
+
+__all__ = ["Pattern"]
+
+
+class Pattern:
+    """Which query token may attend which key token (True = may attend, the SDPA direction).
+
+    Build patterns from the primitives of :mod:`mmattn.patterns` and the combinators ``&``,
+    ``|``, ``~``; then :meth:`dense` gives the (B, L, L) reference, :meth:`compile` the
+    :class:`~mmattn.patterns.SparseMask` that attention layers run on, and :meth:`mask_mod`
+    the same rule for FlexAttention. A subclass implements :meth:`rule` and :meth:`bound`.
+
+    Examples:
+        >>> from mmattn import patterns as P
+        >>> p = P.causal() & P.window(1)
+        >>> p.dense(Tokens(torch.zeros(1, 4, 8)))[0].int().tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    """
+
+    # ------------------------------------------------------------------ the two faces
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        """The exact rule: True where query ``q`` of item ``b`` may attend key ``k``.
+
+        ``b``, ``q``, ``k`` are int64 index tensors that broadcast together; the result has
+        (at most) their broadcast shape. Padding is not this method's business.
+        """
+        raise NotImplementedError
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        """(may, must), each broadcastable to (B, n, m): some / every pair of the tile is
+        allowed by :meth:`rule`. ``may`` may be True for an empty tile and ``must`` False for
+        a full one (both then count as mixed and are evaluated exactly), never the reverse.
+        """
+        raise NotImplementedError
+
+    def tile_bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        """:meth:`bound`, computed once per context and block size (combinators call this)."""
+        return ctx.cached(("bound", id(self), tiles.block), lambda: self.bound(ctx, tiles))
+
+    def tile_rule(
+        self, ctx: TokenContext, tiles: Tiles, where: Tensor, b: Tensor, q: Tensor, k: Tensor
+    ) -> Tensor:
+        """:meth:`rule` on the tiles ``where`` (t, 3) (b, query tile, key tile) only; ``b``,
+        ``q``, ``k`` index their pairs. Combinators skip a part whose bound already decides
+        every one of these tiles."""
+        return self.rule(ctx, b, q, k)
+
+    # ------------------------------------------------------------------ combinators
+
+    def __and__(self, other: object) -> Pattern:
+        return And(self, _check_pattern("&", other))
+
+    def __rand__(self, other: object) -> Pattern:
+        return And(_check_pattern("&", other), self)
+
+    def __or__(self, other: object) -> Pattern:
+        return Or(self, _check_pattern("|", other))
+
+    def __ror__(self, other: object) -> Pattern:
+        return Or(_check_pattern("|", other), self)
+
+    def __invert__(self) -> Pattern:
+        return Not(self)
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            "a Pattern has no truth value: combine patterns with & | ~ (not 'and', 'or', "
+            "'not'), and test for None with 'is None'"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # ------------------------------------------------------------------ using it
+
+    def dense(self, tokens: Tokens) -> Tensor:
+        """The reference: the (B, L, L) "may attend" mask of these tokens.
+
+        Padded keys and padded query rows are False. Packed Tokens give the mask of their
+        padded layout (``tokens.unpack()``).
+
+        Shape:
+            - returns: (B, L, L) bool
+
+        Raises:
+            TypeError: ``tokens`` is not Tokens.
+            ValueError: the meta lacks a key the pattern reads (the message names it).
+        """
+        ctx = TokenContext(tokens)
+        b = torch.arange(ctx.batch, device=ctx.device)[:, None, None]
+        pos = ctx.positions
+        allowed = with_padding(self, ctx, b, pos[None, :, None], pos[None, None, :])
+        return allowed.expand(ctx.batch, ctx.length, ctx.length).contiguous()
+
+    def compile(self, tokens: Tokens, block_size: int = 64) -> SparseMask:
+        """Classify every (query tile, key tile) and evaluate only the mixed ones exactly.
+
+        No (L, L) tensor is built: each primitive bounds a tile from per-tile ranges, and
+        the exact rule runs on the mixed tiles alone, a chunk of them at a time.
+
+        Args:
+            tokens: the Tokens the attention will run on (their mask and meta).
+            block_size: the tile width (any L; the last tile may be short).
+
+        Returns:
+            A :class:`~mmattn.patterns.SparseMask` for ``MultiHeadAttention(...,
+            attn_mask=...)`` and the blocks.
+
+        Raises:
+            TypeError / ValueError: bad ``block_size``; a meta key missing.
+        """
+        return compile_pattern(self, tokens, block_size)
+
+    def mask_mod(self, tokens: Tokens) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        """This rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for these tokens.
+
+        It includes the padding rule, so ``create_block_mask(p.mask_mod(tokens), B, None, L,
+        L)`` allows exactly what :meth:`dense` does (the head index is ignored).
+        """
+        ctx = TokenContext(tokens)
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            b, q, k = b.long(), q_idx.long(), kv_idx.long()
+            return self.rule(ctx, b, q, k) & ctx.real[b, q] & ctx.real[b, k]
+
+        return mask_mod
+
+
+def _decided(part: Pattern, ctx: TokenContext, tiles: Tiles, where: Tensor, must: bool) -> bool:
+    """Whether ``part``'s bound allows every pair (``must``) / no pair (not ``must``) of
+    every tile in ``where``."""
+    may_all, must_all = part.tile_bound(ctx, tiles)
+    grid = must_all if must else may_all
+    grid = grid.expand(ctx.batch, tiles.count, tiles.count)
+    hits = grid[where[:, 0], where[:, 1], where[:, 2]]
+    return bool(hits.all()) if must else not bool(hits.any())
+
+
+def _check_pattern(op: str, other: object) -> Pattern:
+    if not isinstance(other, Pattern):
+        raise TypeError(
+            f"Pattern {op} expects a Pattern on both sides (e.g. P.causal() {op} "
+            f"P.window(8)), got {type(other).__name__}"
+        )
+    return other
+
+
+class And(Pattern):
+    """``a & b``: both allow the pair."""
+
+    def __init__(self, a: Pattern, b: Pattern) -> None:
+        self.parts = (a, b)
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        first, second = self.parts
+        return first.rule(ctx, b, q, k) & second.rule(ctx, b, q, k)
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        (may_a, must_a), (may_b, must_b) = (p.tile_bound(ctx, tiles) for p in self.parts)
+        return may_a & may_b, must_a & must_b
+
+    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+        first, second = self.parts
+        if _decided(first, ctx, tiles, where, must=True):  # allows all: the other decides
+            return second.tile_rule(ctx, tiles, where, b, q, k)
+        if _decided(second, ctx, tiles, where, must=True):
+            return first.tile_rule(ctx, tiles, where, b, q, k)
+        return first.tile_rule(ctx, tiles, where, b, q, k) & second.tile_rule(
+            ctx, tiles, where, b, q, k)
+
+    def __repr__(self) -> str:
+        return f"({self.parts[0]!r} & {self.parts[1]!r})"
+
+
+class Or(Pattern):
+    """``a | b``: either allows the pair."""
+
+    def __init__(self, a: Pattern, b: Pattern) -> None:
+        self.parts = (a, b)
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        first, second = self.parts
+        return first.rule(ctx, b, q, k) | second.rule(ctx, b, q, k)
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        (may_a, must_a), (may_b, must_b) = (p.tile_bound(ctx, tiles) for p in self.parts)
+        return may_a | may_b, must_a | must_b
+
+    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+        first, second = self.parts
+        if _decided(first, ctx, tiles, where, must=False):  # allows none: the other decides
+            return second.tile_rule(ctx, tiles, where, b, q, k)
+        if _decided(second, ctx, tiles, where, must=False):
+            return first.tile_rule(ctx, tiles, where, b, q, k)
+        return first.tile_rule(ctx, tiles, where, b, q, k) | second.tile_rule(
+            ctx, tiles, where, b, q, k)
+
+    def __repr__(self) -> str:
+        return f"({self.parts[0]!r} | {self.parts[1]!r})"
+
+
+class Not(Pattern):
+    """``~a``: the pairs ``a`` does not allow (padding still never attends)."""
+
+    def __init__(self, a: Pattern) -> None:
+        self.part = a
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return ~self.part.rule(ctx, b, q, k)
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        may, must = self.part.tile_bound(ctx, tiles)
+        return ~must, ~may
+
+    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+        return ~self.part.tile_rule(ctx, tiles, where, b, q, k)
+
+    def __invert__(self) -> Pattern:
+        return self.part
+
+    def __repr__(self) -> str:
+        return f"~{self.part!r}"

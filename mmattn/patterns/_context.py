@@ -1,0 +1,371 @@
+"""What patterns read from one batch of Tokens, and the per-tile ranges their bounds use.
+
+Axis key: ``b`` batch, ``l`` sequence length, ``n`` query tiles, ``m`` key tiles, ``s`` tile
+width (the block size).
+
+Token attributes come from ``Tokens.meta`` (DESIGN, fourth wave):
+
+- padding: ``tokens.mask`` (True = real);
+- modality and segment: ``meta["spans"]`` (one segment per span, the span's name its
+  modality; ``(start, stop)`` ints, or (b,) tensors of per-item bounds), else
+  ``meta["modality_ids"]`` (b, l) indexing ``meta["modalities"]`` and ``meta["segments"]``
+  (b, l), -1 = none;
+- grids: ``meta[name]["grid"]`` / ``["grids"]`` placed at ``meta["spans"][name]``, else
+  ``meta["grid"]`` / ``meta["grids"]`` from position 0;
+- edges: ``meta["edge_index"]`` (2, E), flat ``b * l + i``, sources then targets.
+
+Everything is read once per :class:`TokenContext` and cached; a missing key raises a
+ValueError naming it. Nothing here builds an (l, l) tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mmattn import _checks as checks
+from mmattn.tokens import Tokens
+
+#: Larger than any position or id (pads tile minima), and its negative (pads maxima).
+BIG = 2**62
+
+#: A tile bound: (may, must), each broadcastable to (B, n, m).
+Bound = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Per-token grid coordinates: grid id (-1 outside every grid), row, column, and the
+    (rows, cols) of the token's grid (1 outside). Each (b, l) int64."""
+
+    gid: Tensor
+    row: Tensor
+    col: Tensor
+    rows: Tensor
+    cols: Tensor
+
+
+class TokenContext:
+    """The token attributes of one batch (read lazily from ``tokens.meta``, cached).
+
+    Packed Tokens are read in their padded layout (``tokens.unpack()``).
+
+    Attributes:
+        batch, length: B and L. device: of the tokens.
+        real: (B, L) bool, True at real tokens; all_real: no padding at all.
+        positions: (L,) int64, 0..L-1.
+    """
+
+    def __init__(self, tokens: Tokens) -> None:
+        if not isinstance(tokens, Tokens):
+            raise TypeError(f"tokens must be mmattn.Tokens, got {type(tokens).__name__}")
+        if tokens.is_packed:
+            tokens = tokens.unpack()
+        self.meta: Mapping[str, Any] = tokens.meta
+        self.batch, self.length = int(tokens.batch_size), int(tokens.length)
+        self.device = tokens.device
+        self.real = tokens.full_mask()
+        self.all_real = tokens.mask is None or bool(self.real.all())
+        self.positions = torch.arange(self.length, device=self.device)
+        self._cache: dict[Any, Any] = {}
+
+    def cached(self, key: Any, build: Any) -> Any:
+        """``build()`` once per context and key."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def missing(self, key: str, need: str, provider: str) -> ValueError:
+        """The error for a meta key a pattern needs and the tokens lack."""
+        return ValueError(
+            f"{need} needs meta[{key!r}] ({provider}); the tokens' meta has keys "
+            f"{sorted(map(str, self.meta))}"
+        )
+
+    # ------------------------------------------------------------------ per-token ids
+
+    def ids(self, key: str) -> Tensor:
+        """``meta[key]`` as a checked (B, L) int64 tensor (for :func:`mmattn.patterns.same`)."""
+        return self.cached(("ids", key), lambda: self._ids(key))
+
+    def _ids(self, key: str) -> Tensor:
+        if key not in self.meta:
+            raise self.missing(key, f"P.same({key!r})", "a (batch, length) integer tensor")
+        return self._check_ids(f"meta[{key!r}]", self.meta[key])
+
+    def _check_ids(self, name: str, value: object) -> Tensor:
+        checks.check_tensor(name, value)
+        checks.check_integer_dtype(name, value, "one id per token")
+        checks.check_shape(name, value, (self.batch, self.length), "(batch, length)")
+        return value.to(self.device, torch.long)
+
+    def span_mask(self, start: Any, stop: Any) -> Tensor:
+        """(B, L) bool: positions inside ``[start, stop)`` (ints or (B,) tensors)."""
+        start, stop = (self._per_item(v) for v in (start, stop))
+        return (self.positions >= start[:, None]) & (self.positions < stop[:, None])
+
+    def _per_item(self, value: Any) -> Tensor:
+        value = torch.as_tensor(value, device=self.device).long()
+        return value.expand(self.batch) if value.dim() == 0 else value.reshape(self.batch)
+
+    def modalities(self) -> tuple[Tensor, tuple[str, ...]]:
+        """(B, L) int64 modality index of each token (-1 = none) and the names it indexes."""
+        return self.cached("modalities", self._modalities)
+
+    def _modalities(self) -> tuple[Tensor, tuple[str, ...]]:
+        spans = self.meta.get("spans")
+        if spans is not None:
+            return self._span_ids(spans), tuple(spans)
+        if "modality_ids" not in self.meta:
+            raise ValueError(
+                "P.modality / P.per_modality need meta['spans'] (Tokens.cat of a mapping, "
+                "MultiModalEncoder) or meta['modality_ids'] with meta['modalities']; the "
+                f"tokens' meta has keys {sorted(map(str, self.meta))}"
+            )
+        ids = self._check_ids("meta['modality_ids']", self.meta["modality_ids"])
+        if "modalities" not in self.meta:
+            raise self.missing("modalities", "meta['modality_ids']", "the names it indexes")
+        names = tuple(self.meta["modalities"])
+        checks.check_range("meta['modality_ids']", ids, -1, len(names), "len(modalities)")
+        return ids, names
+
+    def _span_ids(self, spans: Any) -> Tensor:
+        if not isinstance(spans, Mapping):
+            raise TypeError(
+                f"meta['spans'] must map names to (start, stop), got {type(spans).__name__}"
+            )
+        ids = torch.full((self.batch, self.length), -1, dtype=torch.long, device=self.device)
+        for index, bounds in enumerate(spans.values()):
+            ids = torch.where(self.span_mask(*bounds), index, ids)
+        return ids
+
+    def segments(self) -> Tensor | None:
+        """(B, L) int64 segment id of each token (-1 = none), or None without any."""
+        return self.cached("segments", self._segments)
+
+    def _segments(self) -> Tensor | None:
+        spans = self.meta.get("spans")
+        if spans is not None:
+            return self._span_ids(spans)
+        if "segments" in self.meta:
+            return self._check_ids("meta['segments']", self.meta["segments"])
+        return None
+
+    def require_segments(self, need: str) -> Tensor:
+        """:meth:`segments`, or a ValueError naming ``"segments"`` (and ``"spans"``)."""
+        segments = self.segments()
+        if segments is None:
+            raise ValueError(
+                f"{need} needs meta['spans'] or meta['segments'] ((batch, length) int64, one "
+                "id per contiguous run, -1 = none; P.runs(ids) makes them); the tokens' meta "
+                f"has keys {sorted(map(str, self.meta))}"
+            )
+        return segments
+
+    def offsets(self) -> Tensor:
+        """(B, L) int64: each token's position counted from the start of its segment (its
+        contiguous run of one segment id); from 0 without segments or outside them."""
+        return self.cached("offsets", self._offsets)
+
+    def _offsets(self) -> Tensor:
+        segments = self.segments()
+        pos = self.positions.expand(self.batch, self.length)
+        if segments is None:
+            return pos
+        new_run = torch.ones_like(segments, dtype=torch.bool)
+        new_run[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        start = torch.where(new_run, pos, 0).cummax(dim=1).values
+        return torch.where(segments >= 0, pos - start, pos)
+
+    # ------------------------------------------------------------------ geometry
+
+    def grid(self, need: str) -> Grid:
+        """Per-token grid coordinates; ValueError naming ``"grid"`` when there is none."""
+        return self.cached("grid", lambda: self._grid(need))
+
+    def _grid(self, need: str) -> Grid:
+        placed = []  # (start per item (B,), stop per item (B,), dims per item (B, 2))
+        spans = self.meta.get("spans")
+        if isinstance(spans, Mapping):
+            for name, (start, stop) in spans.items():
+                sub = self.meta.get(name)
+                dims = _grid_dims(sub, f"meta[{name!r}]", self.batch) if isinstance(
+                    sub, Mapping) else None
+                if dims is not None:
+                    placed.append((self._per_item(start), self._per_item(stop), dims))
+        if not placed:
+            dims = _grid_dims(self.meta, "meta", self.batch)
+            if dims is None:
+                raise ValueError(
+                    f"{need} needs a grid: meta['grid'] / meta['grids'] (image tokens, e.g. "
+                    "ImagePatcher) or meta[name]['grid'] of a span (MultiModalEncoder); the "
+                    f"tokens' meta has keys {sorted(map(str, self.meta))}"
+                )
+            zero = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+            placed.append((zero, zero + self.length, dims))
+        shape = (self.batch, self.length)
+        gid = torch.full(shape, -1, dtype=torch.long, device=self.device)
+        row, col = torch.zeros_like(gid), torch.zeros_like(gid)
+        rows, cols = torch.ones_like(gid), torch.ones_like(gid)
+        for index, (start, stop, dims) in enumerate(placed):
+            dims = dims.to(self.device)
+            size = dims[:, 0] * dims[:, 1]
+            if bool((size > stop - start).any()):
+                raise ValueError(
+                    f"grid {dims.tolist()} has more cells than the {(stop - start).tolist()} "
+                    "tokens it is placed on; meta 'grid' must describe the tokens"
+                )
+            local = self.positions - start[:, None]  # (B, L)
+            inside = (local >= 0) & (local < size[:, None])
+            width = dims[:, 1:2]
+            gid = torch.where(inside, index, gid)
+            row = torch.where(inside, local // width, row)
+            col = torch.where(inside, local % width, col)
+            rows = torch.where(inside, dims[:, 0:1], rows)
+            cols = torch.where(inside, width, cols)
+        return Grid(gid, row, col, rows, cols)
+
+    def edges(self) -> Tensor:
+        """Sorted unique pair keys ``(b * L + target) * L + source`` of ``meta["edge_index"]``
+        (edges between two items of the batch are ignored)."""
+        return self.cached("edges", self._edges)
+
+    def _edges(self) -> Tensor:
+        if "edge_index" not in self.meta:
+            raise self.missing(
+                "edge_index", "P.edges()", "(2, E) int64 in the flat b * L + i order, "
+                "GraphNodeSequencer / MultiModalEncoder set it"
+            )
+        edges = self.meta["edge_index"]
+        checks.check_integer_dtype("meta['edge_index']", edges, "token indices")
+        if edges.dim() != 2 or edges.shape[0] != 2:
+            raise ValueError(
+                f"meta['edge_index'] must have shape (2, E), got {tuple(edges.shape)}"
+            )
+        edges = edges.to(self.device, torch.long)
+        checks.check_range("meta['edge_index']", edges, 0, self.batch * self.length, "B * L")
+        source, target = edges[0], edges[1]
+        length = max(self.length, 1)
+        same_item = source // length == target // length
+        keys = target * length + source % length
+        return torch.unique(keys[same_item])  # sorted
+
+
+def _grid_dims(meta: Mapping[str, Any], where: str, batch: int) -> Tensor | None:
+    """(B, 2) int64 grid of each item from ``meta['grid']`` / ``meta['grids']``, or None."""
+    if "grid" in meta:
+        rows, cols = checks.check_grid(f"{where}['grid']", meta["grid"])
+        return torch.tensor([[rows, cols]] * batch, dtype=torch.long)
+    if "grids" in meta:
+        grids = meta["grids"]
+        if not isinstance(grids, Sequence) or len(grids) != batch:
+            raise ValueError(
+                f"{where}['grids'] must hold one (rows, cols) per item ({batch}), got {grids!r}"
+            )
+        pairs = [checks.check_grid(f"{where}['grids'][{b}]", g) for b, g in enumerate(grids)]
+        return torch.tensor(pairs, dtype=torch.long).reshape(batch, 2)
+    return None
+
+
+class Tiles:
+    """Per-tile ranges for the bounds: which positions a tile covers and reductions of a
+    token attribute over a tile.
+
+    Query tiles are laid along dim 1 and key tiles along dim 2 of a (B, n, m) grid: a query
+    quantity has shape (.., n, 1), a key quantity (.., 1, m); bounds broadcast to (B, n, m).
+
+    Attributes:
+        block: the tile width s. count: tiles per axis (n = m = ceil(L / s)).
+        q_lo, q_hi: (1, n, 1) first and last position of each query tile (last < L).
+        k_lo, k_hi: (1, 1, m) the same for key tiles.
+    """
+
+    def __init__(self, ctx: TokenContext, block: int) -> None:
+        self.ctx, self.block = ctx, block
+        self.count = -(-ctx.length // block)
+        lo = torch.arange(self.count, device=ctx.device) * block
+        hi = torch.clamp(lo + block - 1, max=max(ctx.length - 1, 0))
+        self.q_lo, self.q_hi = lo[None, :, None], hi[None, :, None]
+        self.k_lo, self.k_hi = lo[None, None, :], hi[None, None, :]
+        self._cache: dict[Any, Any] = {}
+
+    def _tiled(self, values: Tensor, fill: Any) -> Tensor:
+        """(B, L) → (B, n, s), the tail padded with ``fill``."""
+        pad = self.count * self.block - values.shape[1]
+        if pad:
+            values = F.pad(values, (0, pad), value=fill)
+        return values.view(values.shape[0], self.count, self.block)
+
+    def span(self, key: Any, values: Tensor, where: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(B, n) minimum and maximum of ``values`` (B, L) over each tile (over the tokens
+        where ``where`` holds, if given: a tile without any has minimum > maximum)."""
+        def build() -> tuple[Tensor, Tensor]:
+            lo_src = values if where is None else torch.where(where, values, BIG)
+            hi_src = values if where is None else torch.where(where, values, -BIG)
+            lo = self._tiled(lo_src, BIG).amin(dim=-1)
+            hi = self._tiled(hi_src, -BIG).amax(dim=-1)
+            return lo, hi
+
+        return self.ctx.cached(("span", self.block, key), build)
+
+    def present(self, key: Any, values: Tensor, count: int) -> Tensor:
+        """(B, n, count + 1) bool: which of the ids -1..count-1 occur in each tile."""
+        def build() -> Tensor:
+            one_hot = F.one_hot(values + 1, count + 1).bool()  # (B, L, count + 1)
+            pad = self.count * self.block - values.shape[1]
+            if pad:
+                one_hot = F.pad(one_hot, (0, 0, 0, pad), value=False)
+            return one_hot.view(values.shape[0], self.count, self.block, count + 1).any(dim=2)
+
+        return self.ctx.cached(("present", self.block, key), build)
+
+    def every(self, key: Any, values: Tensor) -> Tensor:
+        """(B, n) bool: ``values`` (B, L) bool holds at every position of each tile."""
+        return self.ctx.cached(
+            ("every", self.block, key), lambda: self._tiled(values, True).all(dim=-1)
+        )
+
+    def some(self, key: Any, values: Tensor) -> Tensor:
+        """(B, n) bool: ``values`` (B, L) bool holds at some position of each tile."""
+        return self.ctx.cached(
+            ("some", self.block, key), lambda: self._tiled(values, False).any(dim=-1)
+        )
+
+
+def q_axis(x: Tensor) -> Tensor:
+    """A per-tile (B, n) quantity on the query axis of the (B, n, m) grid."""
+    return x[:, :, None]
+
+
+def k_axis(x: Tensor) -> Tensor:
+    """A per-tile (B, m) quantity on the key axis of the (B, n, m) grid."""
+    return x[:, None, :]
+
+
+def with_padding(
+    pattern: Any, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor,
+    tiles: Tiles | None = None, where: Tensor | None = None,
+) -> Tensor:
+    """``pattern.rule`` where both tokens are real (padded keys and rows never attend); on
+    the tiles ``where`` only (``pattern.tile_rule``) when given."""
+    allowed = pattern.rule(ctx, b, q, k) if where is None else pattern.tile_rule(
+        ctx, tiles, where, b, q, k)
+    if ctx.all_real:
+        return allowed
+    real = ctx.real
+    return allowed & real[b, q] & real[b, k]
+
+
+def padding_bound(ctx: TokenContext, tiles: Tiles) -> Bound | None:
+    """The padding rule's tile bound: some / every token of both tiles is real (None: no
+    token is padding)."""
+    if ctx.all_real:
+        return None
+    some = tiles.some("real", ctx.real)
+    every = tiles.every("real", ctx.real)
+    return q_axis(some) & k_axis(some), q_axis(every) & k_axis(every)

@@ -1,0 +1,148 @@
+"""Primitives on positions: ``full``, ``causal``, ``window``, ``chunked``.
+
+Axis key: ``b`` batch, ``q``/``k`` query/key positions (0..L-1), ``n``/``m`` query/key tiles.
+
+Each class is one rule and its tile bound, from the first and last position of each tile
+(``tiles.q_lo`` .. ``tiles.q_hi``, ``tiles.k_lo`` .. ``tiles.k_hi``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mmattn import _checks as checks
+from mmattn.patterns._base import Bound, Pattern
+from mmattn.patterns._context import Tiles, TokenContext, k_axis, q_axis
+
+__all__ = ["full", "causal", "window", "chunked"]
+
+
+def _const(ctx: TokenContext, value: bool) -> Tensor:
+    return torch.full((1, 1, 1), value, dtype=torch.bool, device=ctx.device)
+
+
+class Full(Pattern):
+    """Every query attends every key."""
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return torch.ones_like(q == k)
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        return _const(ctx, True), _const(ctx, True)
+
+    def __repr__(self) -> str:
+        return "full()"
+
+
+class Causal(Pattern):
+    """Key k <= query q."""
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return k <= q
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        return tiles.k_lo <= tiles.q_hi, tiles.k_hi <= tiles.q_lo
+
+    def __repr__(self) -> str:
+        return "causal()"
+
+
+class Window(Pattern):
+    """|q - k| <= w."""
+
+    def __init__(self, w: int) -> None:
+        self.w = checks.check_positive_int("w", w, minimum=0)
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return (q - k).abs() <= self.w
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        w = self.w
+        may = (tiles.k_lo <= tiles.q_hi + w) & (tiles.q_lo <= tiles.k_hi + w)  # nearest <= w
+        must = (tiles.q_hi - w <= tiles.k_lo) & (tiles.k_hi <= tiles.q_lo + w)  # farthest
+        return may, must
+
+    def __repr__(self) -> str:
+        return f"window({self.w})"
+
+
+class Chunked(Pattern):
+    """Chunks of ``chunk`` tokens counted from the segment start: cq - left <= ck <= cq + right."""
+
+    def __init__(self, chunk: int, left: int, right: int) -> None:
+        self.chunk = checks.check_positive_int("chunk", chunk)
+        self.left = checks.check_positive_int("left", left, minimum=0)
+        self.right = checks.check_positive_int("right", right, minimum=0)
+
+    def _chunks(self, ctx: TokenContext) -> Tensor:
+        return ctx.cached(("chunks", self.chunk), lambda: ctx.offsets() // self.chunk)
+
+    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        chunks = self._chunks(ctx)
+        cq, ck = chunks[b, q], chunks[b, k]
+        return (ck >= cq - self.left) & (ck <= cq + self.right)
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        lo, hi = tiles.span(("chunks", self.chunk), self._chunks(ctx))
+        q_lo, q_hi, k_lo, k_hi = q_axis(lo), q_axis(hi), k_axis(lo), k_axis(hi)
+        may = (k_hi >= q_lo - self.left) & (k_lo <= q_hi + self.right)
+        must = (k_lo >= q_hi - self.left) & (k_hi <= q_lo + self.right)
+        return may, must
+
+    def __repr__(self) -> str:
+        return f"chunked({self.chunk}, left={self.left}, right={self.right})"
+
+
+def full() -> Pattern:
+    """Every query may attend every (real) key.
+
+    Examples:
+        >>> from mmattn import Tokens, patterns as P
+        >>> P.full().dense(Tokens(torch.zeros(1, 3, 4))).all().item()
+        True
+    """
+    return Full()
+
+
+def causal() -> Pattern:
+    """Query q may attend key k iff k <= q (positions in the sequence).
+
+    Examples:
+        >>> from mmattn import Tokens, patterns as P
+        >>> P.causal().dense(Tokens(torch.zeros(1, 3, 4)))[0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
+    return Causal()
+
+
+def window(w: int) -> Pattern:
+    """Query q may attend key k iff |q - k| <= w (a band of 2w + 1 keys).
+
+    Raises:
+        TypeError / ValueError: ``w`` is not an int >= 0.
+
+    Examples:
+        >>> from mmattn import Tokens, patterns as P
+        >>> P.window(1).dense(Tokens(torch.zeros(1, 4, 4)))[0].int().tolist()
+        [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]
+    """
+    return Window(w)
+
+
+def chunked(chunk: int, left: int = 0, right: int = 0) -> Pattern:
+    """Streaming chunks: q in chunk cq may attend k in chunk ck iff cq - left <= ck <= cq + right.
+
+    Chunks hold ``chunk`` tokens counted from the start of each token's segment (its span,
+    or its run of ``meta["segments"]``); from position 0 on tokens without spans or
+    segments, and for tokens outside every segment.
+
+    Raises:
+        TypeError / ValueError: ``chunk`` not an int >= 1, ``left``/``right`` not ints >= 0.
+
+    Examples:
+        >>> from mmattn import Tokens, patterns as P
+        >>> P.chunked(2, left=1).dense(Tokens(torch.zeros(1, 5, 4)))[0].int().tolist()
+        [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
+    """
+    return Chunked(chunk, left, right)

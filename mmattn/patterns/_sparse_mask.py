@@ -1,0 +1,163 @@
+"""``SparseMask``: a pattern compiled for one batch of Tokens, tile by tile.
+
+Axis key: ``b`` batch, ``n``/``m`` query/key tiles, ``s`` tile width (block size), ``t``
+tiles.
+
+Compiling (:func:`compile_pattern`)::
+
+    pattern & padding ─bound─▶ (B, n, m) may / must ──▶ empty | full | mixed
+    mixed tiles ─rule on (t, s, s) indices, a chunk at a time─▶ exact masks; empty ones drop
+
+A SparseMask holds the full tiles, the non-empty mixed tiles and their exact (s, s) masks:
+never an (L, L) tensor (:meth:`SparseMask.dense` builds one on request). The attention
+kernel (:mod:`mmattn.kernels.block_sparse`) plans its buckets from it once per model width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmattn import _checks as checks
+from mmattn.kernels import block_sparse as _kernel
+from mmattn.patterns._context import Tiles, TokenContext, padding_bound, with_padding
+from mmattn.tokens import Tokens
+
+__all__ = ["SparseMask"]
+
+#: Most (query, key) pairs evaluated in one exact pass over mixed tiles.
+CHUNK_PAIRS = 1 << 18  # 256 KiB of bools: the passes stay in cache
+
+
+class SparseMask:
+    """A :class:`~mmattn.patterns.Pattern` compiled for one batch: which tiles to attend.
+
+    Made by ``pattern.compile(tokens, block_size)``; pass it as ``attn_mask`` to
+    :class:`~mmattn.MultiHeadAttention` (self-attention) or let ``TransformerBlock`` /
+    ``Encoder`` / ``MultiModalEncoder(pattern=...)`` compile it. The direction is SDPA's
+    (True = may attend), as ``pattern.dense``; the module treats it as the pattern itself,
+    whatever its ``attn_mask`` convention for tensors.
+
+    Attributes:
+        block_size: the tile width.
+        shape: (B, L, L).
+        nonempty_blocks: tiles that hold at least one allowed pair, counted over the batch.
+        density: ``nonempty_blocks`` over all B * ceil(L / s)² tiles.
+        full_tiles: (F, 3) int64 (b, query tile, key tile) of the tiles allowed throughout.
+        mixed_tiles: (P, 3) int64 of the other non-empty tiles; ``mixed_masks`` (P, s, s)
+            bool their exact masks (positions past L are False).
+
+    Examples:
+        >>> from mmattn import Tokens, patterns as P
+        >>> mask = P.causal().compile(Tokens(torch.zeros(2, 100, 8)), block_size=32)
+        >>> mask.shape, mask.nonempty_blocks, round(mask.density, 3)
+        ((2, 100, 100), 20, 0.625)
+        >>> bool((mask.dense() == P.causal().dense(Tokens(torch.zeros(2, 100, 8)))).all())
+        True
+    """
+
+    def __init__(
+        self, batch: int, length: int, block_size: int, full_tiles: Tensor, mixed_tiles: Tensor,
+        mixed_masks: Tensor,
+    ) -> None:
+        self.batch, self.length, self.block_size = batch, length, block_size
+        self.full_tiles, self.mixed_tiles, self.mixed_masks = full_tiles, mixed_tiles, mixed_masks
+        self._plans: dict[Any, _kernel.TilePlan] = {}
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.length, self.length)
+
+    @property
+    def device(self) -> torch.device:
+        return self.mixed_masks.device
+
+    @property
+    def tiles_per_axis(self) -> int:
+        return -(-self.length // self.block_size)
+
+    @property
+    def nonempty_blocks(self) -> int:
+        return int(self.full_tiles.shape[0] + self.mixed_tiles.shape[0])
+
+    @property
+    def density(self) -> float:
+        total = self.batch * self.tiles_per_axis**2
+        return self.nonempty_blocks / total if total else 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"SparseMask(shape={self.shape}, block_size={self.block_size}, "
+            f"nonempty_blocks={self.nonempty_blocks}, density={self.density:.3f})"
+        )
+
+    def dense(self) -> Tensor:
+        """The (B, L, L) bool mask (True = may attend), equal to ``pattern.dense(tokens)``."""
+        n, s = self.tiles_per_axis, self.block_size
+        grid = torch.zeros(self.batch, n, n, s, s, dtype=torch.bool, device=self.device)
+        if self.full_tiles.numel():
+            b, qi, kj = self.full_tiles.unbind(1)
+            grid[b, qi, kj] = True
+        if self.mixed_tiles.numel():
+            b, qi, kj = self.mixed_tiles.unbind(1)
+            grid[b, qi, kj] = self.mixed_masks
+        full = grid.permute(0, 1, 3, 2, 4).reshape(self.batch, n * s, n * s)
+        return full[:, : self.length, : self.length].contiguous()
+
+    def to(self, device: torch.device | str) -> SparseMask:
+        """The same mask with its tensors on ``device``."""
+        return SparseMask(
+            self.batch, self.length, self.block_size, self.full_tiles.to(device),
+            self.mixed_tiles.to(device), self.mixed_masks.to(device),
+        )
+
+    def plan(self, width: int) -> _kernel.TilePlan:
+        """The kernel's bucket plan for a model of this width (built once, then cached)."""
+        key = int(width)
+        if key not in self._plans:
+            self._plans[key] = _kernel.plan_tiles(
+                self.batch, self.length, self.block_size, self.full_tiles, self.mixed_tiles,
+                self.mixed_masks, width=key,
+            )
+        return self._plans[key]
+
+
+def compile_pattern(pattern: Any, tokens: Tokens, block_size: int = 64) -> SparseMask:
+    """``pattern.compile(tokens, block_size)``: see :meth:`Pattern.compile`."""
+    block = checks.check_positive_int("block_size", block_size)
+    ctx = TokenContext(tokens)
+    tiles = Tiles(ctx, block)
+    n = tiles.count
+    may, must = pattern.tile_bound(ctx, tiles)
+    padding = padding_bound(ctx, tiles)
+    if padding is not None:
+        may, must = may & padding[0], must & padding[1]
+    shape = (ctx.batch, n, n)
+    may, must = may.expand(shape), must.expand(shape)
+    full_tiles = must.nonzero()
+    candidates = (may & ~must).nonzero()
+    kept, masks = [], []
+    per_chunk = max(1, CHUNK_PAIRS // (block * block))
+    offsets = torch.arange(block, device=ctx.device)
+    for chunk in candidates.split(per_chunk):
+        b, qi, kj = chunk.unbind(1)
+        q = qi[:, None, None] * block + offsets[None, :, None]  # (t, s, 1)
+        k = kj[:, None, None] * block + offsets[None, None, :]  # (t, 1, s)
+        last = max(ctx.length - 1, 0)
+        exact = with_padding(pattern, ctx, b[:, None, None], q.clamp(max=last), k.clamp(max=last),
+                             tiles=tiles, where=chunk)
+        if ctx.length % block:  # the last tiles reach past L
+            exact = exact & (q < ctx.length) & (k < ctx.length)
+        exact = exact.expand(chunk.shape[0], block, block)
+        keep = exact.flatten(1).any(dim=1)
+        kept.append(chunk[keep])
+        masks.append(exact[keep])
+    empty = torch.zeros(0, 3, dtype=torch.long, device=ctx.device)
+    mixed_tiles = torch.cat(kept) if kept else empty
+    mixed_masks = (
+        torch.cat(masks) if masks
+        else torch.zeros(0, block, block, dtype=torch.bool, device=ctx.device)
+    )
+    return SparseMask(ctx.batch, ctx.length, block, full_tiles, mixed_tiles, mixed_masks)
