@@ -8,6 +8,7 @@ The mask is held to a naive loop over NATTEN's definition (subgrids, clamped win
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 
 import numpy as np
@@ -381,3 +382,51 @@ def test_eager_packed_and_exported_calls_share_one_tile_runner(monkeypatch):
     exported = neighborhood_attend(q, k, v, (3, 4), 3, key_mask=key_mask)[0]
     torch.testing.assert_close(exported, eager)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_modifiers_and_table_equal_a_float64_loop(fused):
+    # the kernel's own modifiers= / table= (the layer's are in attention/test_modifiers_geometry)
+    from mmattn.kernels.modifiers import Modifiers
+
+    grid, kernel, dilation, glob, heads = (4, 5), (3, 3), (1, 2), 1, 2
+    length = glob + grid[0] * grid[1]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, heads, length, 4, generator=gen, dtype=torch.float64)
+               for _ in range(3))
+    table = torch.randn(25, heads, generator=gen, dtype=torch.float64)
+    mods = Modifiers(sinks=torch.tensor([0.5, -1.0], dtype=torch.float64),
+                     slopes=torch.tensor([0.25, 0.5], dtype=torch.float64))
+    with fused_attn(fused):
+        out, _ = neighborhood_attend(q, k, v, grid, kernel, dilation=dilation,
+                                     num_global_tokens=glob, modifiers=mods, table=table)
+    allowed = naive_mask(grid, kernel, dilation, glob)
+    want = torch.zeros_like(out)
+    for b, h, i in itertools.product(range(2), range(heads), range(length)):
+        scores = []
+        for j in range(length):
+            s = float(q[b, h, i] @ k[b, h, j]) / 2.0
+            if i >= glob and j >= glob:  # both on the grid: ALiBi in cells, the table
+                (r, c), (r2, c2) = divmod(i - glob, grid[1]), divmod(j - glob, grid[1])
+                s -= float(mods.slopes[h]) * math.hypot(r - r2, c - c2)
+                dr, dc = (r - r2) // dilation[0], (c - c2) // dilation[1]
+                if allowed[i, j]:
+                    s += float(table[(dr + 2) * 5 + (dc + 2), h])
+            scores.append(s if allowed[i, j] else -math.inf)
+        p = torch.tensor(scores + [float(mods.sinks[h])], dtype=torch.float64).softmax(0)
+        want[b, h, i] = p[:-1] @ v[b, h]
+    torch.testing.assert_close(out, want)
+
+
+def test_bad_modifiers_and_table_raise_naming_them():
+    from mmattn.kernels.modifiers import Modifiers
+
+    q, k, v = _qkv(1, 2, 2, 12)
+    with pytest.raises(TypeError, match="modifiers must be a mmattn.kernels.modifiers"):
+        neighborhood_attend(q, k, v, (3, 4), 3, modifiers={"sinks": None})
+    with pytest.raises(ValueError, match=r"modifiers.sinks must have shape \(2,\)"):
+        neighborhood_attend(q, k, v, (3, 4), 3, modifiers=Modifiers(sinks=torch.zeros(3)))
+    with pytest.raises(ValueError, match=r"table must have shape \(25, 2\)"):
+        neighborhood_attend(q, k, v, (3, 4), 3, table=torch.zeros(9, 2))
+    with pytest.raises(TypeError, match="table must be a floating tensor"):
+        neighborhood_attend(q, k, v, (3, 4), 3, table=torch.zeros(25, 2, dtype=torch.long))
