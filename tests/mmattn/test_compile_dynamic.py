@@ -8,12 +8,14 @@ that pytest's two workers share the capture work (they take files whole). The ba
 from __future__ import annotations
 
 import pytest
+import torch
 
 import adapters
 from mmattn import (
     AdditiveAttention,
     CrossAttention,
     CrossAttentionBlock,
+    EdgeAttention,
     Encoder,
     LinformerAttention,
     LocalAttention,
@@ -27,13 +29,17 @@ from tests.mmattn.test_compile import (  # noqa: F401 (_fresh_dynamo: an autouse
     LOCAL_LENGTHS,
     D,
     H,
+    _assert_same,
     _attention_case,
     _check,
+    _edges,
     _fresh_dynamo,
     _grid_case,
     _image_adapter,
     _multimodal_inputs,
+    _OnEdges,
     _padding,
+    _run,
     _tokens,
     _x,
 )
@@ -103,3 +109,14 @@ def test_dynamic_true_fullgraph_four_lengths_one_capture(name, case):
     module, make, lengths = case
     frames = _check(module, make, lengths, "aot_eager", dynamic=True)
     assert frames[-1] == frames[0], f"recompiled: frames after each length {frames}"
+
+
+@pytest.mark.slow  # captures with breaks (the edge set and the sparse kernel run eagerly)
+def test_edge_attention_dynamic_true_matches_eager():
+    # docs/edge_cases.md: EdgeAttention is in the dynamic=True sweep (not fullgraph: its
+    # data-dependent edge set breaks the graph); sinks take the modified kernel
+    module = _OnEdges(EdgeAttention(D, H, sinks=True))
+    compiled = torch.compile(module, backend="aot_eager", dynamic=True)
+    for length, seed in ((6, 0), (9, 1)):
+        args = _edges(length, seed)
+        _assert_same(_run(module, compiled, args), _run(module, module, args))
