@@ -16,6 +16,7 @@ parameters. Modules call these; they do not spell their own checks.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -240,6 +241,29 @@ def check_factory_dtype(name: str, value: object) -> torch.dtype | None:
     return None if value is None else check_dtype(name, value, floating=True)
 
 
+def check_device(name: str, value: object) -> torch.device | None:
+    """None, a ``torch.device``, a device string (``"cpu"``, ``"cuda:0"``) or an index.
+
+    Raises TypeError for another type and ValueError for a string torch cannot parse.
+    """
+    if value is None or isinstance(value, torch.device):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"{name} must be a torch.device, a device string or None, got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        return torch.device(value)
+    except RuntimeError as error:
+        raise ValueError(f"{name} must name a device such as 'cpu' or 'cuda:0', got "
+                         f"{value!r}") from error
+
+
+def check_factory(device: object, dtype: object) -> dict:
+    """A module's ``device`` and ``dtype`` factory arguments, checked, as keyword arguments."""
+    return {"device": check_device("device", device),
+            "dtype": check_factory_dtype("dtype", dtype)}
+
+
 def check_meta(name: str, value: object) -> dict:
     """Raise TypeError unless ``value`` is None or a mapping; return a shallow dict copy."""
     if value is None:
@@ -316,9 +340,28 @@ def check_kernel(name: str, value: object) -> tuple[int, int]:
 
 
 def check_grid(name: str, value: object) -> tuple[int, int]:
-    """A (rows, cols) pair of ints >= 1, as a tuple of Python ints."""
+    """A (rows, cols) pair of ints >= 1, as a tuple of Python ints.
+
+    Raises TypeError for a side that is not an int (``2.5``, ``2.0``, ``True``: nothing is
+    rounded or taken as 1), ValueError for a side < 1.
+    """
     if isinstance(value, Tensor):
+        if value.dim() != 1 or not is_integer_dtype(value.dtype):
+            raise TypeError(
+                f"{name} must be a (rows, cols) pair of ints, got a tensor of shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}"
+            )
         value = value.tolist()
     if not isinstance(value, (tuple, list, torch.Size)) or len(value) != 2:
         raise TypeError(f"{name} must be a (rows, cols) pair, got {value!r}")
-    return check_pair(name, tuple(int(v) for v in value), what="(rows, cols)")
+    return check_pair(name, tuple(_grid_side(v) for v in value), what="(rows, cols)")
+
+
+def _grid_side(value: object) -> object:
+    """A grid side as a Python int: ints, 0-D integer tensors and integer scalars (NumPy's)
+    pass; a float (``2.5``, or ``2.0``) or a bool stays as it is, for the check to refuse."""
+    if isinstance(value, Tensor) and value.dim() == 0 and is_integer_dtype(value.dtype):
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)  # numpy.int64 and friends
+    return value

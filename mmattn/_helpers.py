@@ -9,6 +9,17 @@ import torch
 T = TypeVar("T")
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for sizes ``a >= 0``, ``b >= 1``, also on traced sizes (SymInt).
+
+    Written ``(a + b - 1) // b``: on non-negative operands floor and truncation agree, so the
+    exported graph is right even where a runtime divides by truncation. The usual
+    ``-(-a // b)`` is not: torch.onnx lowers it to ONNX's truncating ``Div``, and ONNX
+    Runtime returns ``floor(a / b)`` wherever the two differ.
+    """
+    return (a + b - 1) // b
+
+
 def default(value: T | None, fallback: T) -> T:
     """``value`` unless it is None, else ``fallback``."""
     return fallback if value is None else value

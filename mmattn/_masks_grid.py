@@ -9,7 +9,13 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from mmattn._checks import check_grid, check_kernel, check_pair, check_positive_int
+from mmattn._checks import (
+    check_device,
+    check_grid,
+    check_kernel,
+    check_pair,
+    check_positive_int,
+)
 
 __all__ = ["neighborhood_mask"]
 
@@ -70,6 +76,7 @@ def neighborhood_mask(
     kh, kw = check_kernel("kernel_size", kernel_size)
     dh, dw = check_pair("dilation", dilation, what="(rows, cols)")
     g = check_positive_int("num_global_tokens", num_global_tokens, minimum=0)
+    device = check_device("device", device)
     row_ok = _axis_allowed(rows, kh, dh, device)
     col_ok = _axis_allowed(cols, kw, dw, device)
     grid_ok = rearrange(

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from mmattn._checks import (
     check_bool,
+    check_device,
     check_dtype,
     check_has_data,
     check_integer_dtype,
@@ -106,6 +107,7 @@ def causal_mask(
     """
     check_positive_int("q_len", q_len, minimum=0)
     k_len = q_len if k_len is None else check_positive_int("k_len", k_len, minimum=0)
+    device = check_device("device", device)
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
 
 
@@ -136,6 +138,7 @@ def band_mask(
     check_positive_int("q_len", q_len, minimum=0)
     k_len = q_len if k_len is None else check_positive_int("k_len", k_len, minimum=0)
     check_bool("causal", causal)
+    device = check_device("device", device)
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(k_len, device=device)[None, :]
     offset = i - j

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mmattn import _checks as checks
-from mmattn.kernels.segment import edge_set
+from mmattn.kernels._segment import unique_edges
 
 PROVIDER = (
     "adapters.GraphNodeSequencer provides it in Tokens.meta['edge_index'] (padded: "
@@ -80,6 +80,43 @@ def check_same_item(src: Tensor, dst: Tensor, q_off: Tensor, k_off: Tensor) -> N
         )
 
 
+@torch.compiler.disable  # data-dependent (ids read, duplicates merged): runs eagerly
+def edge_plan(
+    edge_index: object,
+    edge_bias: object,
+    *,
+    q_off: Tensor,
+    k_off: Tensor,
+    like: Tensor,
+    num_heads: int,
+    key_real: Tensor | None,
+    query_real: Tensor | None,
+    key_bias: Tensor | None,
+    add_self_loops: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The checked edge set of one call: (src, dst, bias) for the kernel, sorted by target.
+
+    ``like`` is the (n, d) query rows (device and the number of query rows); a float key
+    padding mask adds ``key_bias`` (m,) to the score of every edge from that key.
+    """
+    num_queries, num_keys = like.shape[0], int(k_off[-1])
+    edge_index = check_edge_index(edge_index, num_keys, num_queries)
+    if edge_index.device != like.device:
+        raise ValueError(
+            f"edge_index must be on the query's device {like.device}, got {edge_index.device}"
+        )
+    if edge_bias is not None:
+        edge_bias = check_edge_bias(edge_bias, edge_index.shape[1], num_heads, like)
+    src, dst, bias = prepare_edges(
+        edge_index, edge_bias, q_off=q_off, k_off=k_off, key_real=key_real,
+        query_real=query_real, add_self_loops=add_self_loops,
+    )
+    if key_bias is not None:
+        extra = key_bias.index_select(0, src)[:, None].expand(-1, num_heads)
+        bias = extra if bias is None else bias + extra
+    return src, dst, bias
+
+
 def prepare_edges(
     edge_index: Tensor,
     edge_bias: Tensor | None,
@@ -106,7 +143,7 @@ def prepare_edges(
     check_same_item(src, dst, q_off, k_off)
     num_keys = int(k_off[-1])
     loops = self_loops(q_off, k_off) if add_self_loops else None
-    src, dst, bias, duplicates = edge_set(src, dst, num_keys, loops=loops, bias=edge_bias)
+    src, dst, bias, duplicates = unique_edges(src, dst, num_keys, loops, edge_bias)
     if duplicates and edge_bias is not None:
         raise ValueError(
             "edge_bias needs unique edges: edge_index holds some (source, target) pair more "
@@ -138,6 +175,7 @@ def self_loops(q_off: Tensor, k_off: Tensor) -> tuple[Tensor, Tensor]:
     return k_off[item] + pos, dst
 
 
+@torch.compiler.disable  # sparse COO tensors: built eagerly
 def sparse_weights(
     weights: Tensor,
     src: Tensor,
@@ -171,6 +209,7 @@ def sparse_weights(
     ).coalesce()
 
 
+@torch.compiler.disable
 def packed_weights(
     weights: Tensor,
     src: Tensor,

@@ -15,9 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmattn._helpers import exporting
-from mmattn.kernels._neighborhood_export import static_coords
-from mmattn.kernels._neighborhood_terms import grid_coords, pair_terms
+from mmattn.kernels._neighborhood_terms import pair_terms, static_coords
 from mmattn.kernels.neighborhood import padded_items
 from mmattn.relative_position import RelativePositionBias
 
@@ -86,10 +84,7 @@ def dense_terms(
         return None
     items = padded_items(batch, length, grid, num_global_tokens=module.num_global_tokens,
                          grid_start=grid_start)
-    if exporting():
-        coords = static_coords(items[0], device)
-    else:
-        coords = grid_coords(batch * length, items, device)
+    coords = static_coords(batch * length, items, str(device))  # a constant when traced
     rows = torch.arange(batch * length, device=device).view(batch, length)
     return pair_terms(coords, rows, rows, slopes=slopes, table=table, kernel=module.kernel_size,
                       dilation=module.dilation, dtype=dtype)

@@ -6,6 +6,7 @@ Axis key: ``b`` batch, ``i``/``j`` query/key length, ``d`` model width.
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
@@ -92,3 +93,34 @@ def check_inputs(
             )
     module._check_lengths([q_len], [k_len], is_causal=is_causal, attn_mask=attn_mask)
     return batched
+
+
+def to_batch_first(
+    module: nn.Module, batched: bool, query: Tensor, key: Tensor, value: Tensor,
+    key_padding_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Checked inputs as (b, l, d) batches: unbatched ones gain b = 1, ``batch_first=False``
+    ones are transposed (undone by :func:`from_batch_first`)."""
+    if not batched:
+        query, key, value = query[None], key[None], value[None]
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask[None]
+    elif not module.batch_first:
+        query, key, value = (rearrange(t, "l b d -> b l d") for t in (query, key, value))
+    return query, key, value, key_padding_mask
+
+
+def from_batch_first(
+    module: nn.Module, batched: bool, out: Tensor, weights: Tensor | None, average: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The output in the caller's layout, and the weights averaged over heads if asked."""
+    if not batched:
+        out = out[0]
+    elif not module.batch_first:
+        out = rearrange(out, "b l d -> l b d")
+    if weights is not None:
+        if average:
+            weights = weights.mean(dim=1)
+        if not batched:
+            weights = weights[0]
+    return out, weights

@@ -19,15 +19,16 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mmattn import _checks as checks
 from mmattn._helpers import default, exporting
 from mmattn.attention import _edges
 from mmattn.attention._fx import fx_leaf
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
+from mmattn.kernels._segment import attend_sorted
 from mmattn.kernels._segment_modifiers import edge_attend_modified
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
-from mmattn.kernels.segment import edge_attend
 
 __all__ = ["EdgeAttention"]
 
@@ -88,6 +89,7 @@ class EdgeAttention(MultiHeadAttention):
           or (B, H, L, S); packed: a list of per-item (l_m, s_m) or (H, l_m, s_m)
 
     Raises:
+        TypeError: ``add_self_loops`` is not a bool (``"no"`` or None are refused).
         ValueError / TypeError: ``edge_index`` of the wrong shape or dtype, ids negative
             or out of range, an edge between two items of the batch; ``edge_bias`` of the
             wrong shape or with duplicate edges; ``attn_mask`` or ``is_causal`` given (the
@@ -134,7 +136,7 @@ class EdgeAttention(MultiHeadAttention):
         softcap: float | None = None,
         alibi: bool = False,
     ) -> None:
-        self.add_self_loops = bool(add_self_loops)
+        self.add_self_loops = checks.check_bool("add_self_loops", add_self_loops)
         super().__init__(
             embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,
@@ -233,7 +235,7 @@ class EdgeAttention(MultiHeadAttention):
             *rows, q_off, k_off, edge_index, edge_bias, key_real=key_real,
             query_real=query_real, key_bias=key_bias, need_weights=need_weights,
         )
-        out = rearrange(out, "(b l) d -> b l d", b=batch)
+        out = rearrange(out, "(b l) d -> b l d", b=batch, l=q_len)  # l: a batch of 0 too
         if weights is not None:
             weights = _edges.sparse_weights(
                 weights, src, dst, q_len=q_len, k_len=k_len, batch=batch,
@@ -321,23 +323,11 @@ class EdgeAttention(MultiHeadAttention):
             - qv: (n, embed_dim); kv: (m, kdim); vv: (m, vdim); offsets (b + 1,)
             - returns: (n, embed_dim), weights (E', h) or None, and the edges (src, dst)
         """
-        n, m = qv.shape[0], kv.shape[0]
-        edge_index = _edges.check_edge_index(edge_index, m, n)
-        if edge_index.device != qv.device:
-            raise ValueError(
-                f"edge_index must be on the query's device {qv.device}, got {edge_index.device}"
-            )
-        if edge_bias is not None:
-            edge_bias = _edges.check_edge_bias(
-                edge_bias, edge_index.shape[1], self.num_heads, qv
-            )
-        src, dst, bias = _edges.prepare_edges(
-            edge_index, edge_bias, q_off=q_off, k_off=k_off, key_real=key_real,
-            query_real=query_real, add_self_loops=self.add_self_loops,
+        src, dst, bias = _edges.edge_plan(
+            edge_index, edge_bias, q_off=q_off, k_off=k_off, like=qv, num_heads=self.num_heads,
+            key_real=key_real, query_real=query_real, key_bias=key_bias,
+            add_self_loops=self.add_self_loops,
         )
-        if key_bias is not None:
-            extra = key_bias.index_select(0, src)[:, None].expand(-1, self.num_heads)
-            bias = extra if bias is None else bias + extra
         q = rearrange(self.q_proj(qv), "n (h e) -> n h e", h=self.num_heads)
         k = rearrange(self.k_proj(kv), "m (h e) -> m h e", h=self.num_kv_heads)
         v = rearrange(self.v_proj(vv), "m (h e) -> m h e", h=self.num_kv_heads)
@@ -348,7 +338,7 @@ class EdgeAttention(MultiHeadAttention):
                 need_weights=need_weights,
             )
         else:
-            out, weights = edge_attend(
+            out, weights = attend_sorted(
                 q, k, v, src, dst, bias=bias, dropout_p=dropout_p, need_weights=need_weights
             )
         out = self.out_proj(rearrange(out, "n h e -> n (h e)"))

@@ -108,7 +108,7 @@ class LinformerAttention(MultiHeadAttention):
     ) -> None:
         self.seq_len = checks.check_positive_int("seq_len", seq_len)
         self.proj_len = checks.check_positive_int("proj_len", proj_len)
-        self.share_kv = bool(share_kv)
+        self.share_kv = checks.check_bool("share_kv", share_kv)
         super().__init__(
             embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             batch_first=batch_first, device=device, dtype=dtype, num_kv_heads=num_kv_heads,

@@ -79,7 +79,8 @@ class LocalAttention(MultiHeadAttention):
         - returns: (B, L, D), and weights (B, L, L) or (B, H, L, L) when ``need_weights``
 
     Raises:
-        TypeError: ``window_size``, ``num_global_tokens`` or ``block_size`` is not an int.
+        TypeError: ``window_size``, ``num_global_tokens`` or ``block_size`` is not an int;
+            ``causal`` is not a bool.
         ValueError: ``window_size`` or ``num_global_tokens`` is negative; ``block_size`` < 1;
             in ``forward``: key and query lengths differ, plus every check of
             :class:`MultiHeadAttention`.
@@ -129,7 +130,7 @@ class LocalAttention(MultiHeadAttention):
         if block_size is not None:
             checks.check_positive_int("block_size", block_size)
         self.block_size = block_size
-        self.causal = bool(causal)
+        self.causal = checks.check_bool("causal", causal)
         super().__init__(
             embed_dim,
             num_heads,

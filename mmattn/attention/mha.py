@@ -25,7 +25,7 @@ from mmattn.attention._appended import append_keys
 from mmattn.attention._decoding import Decoding, cached_step, check_cache_step
 from mmattn.attention._fx import FX_ROOT, fx_leaf
 from mmattn.attention._init import draw_like_torch, undrawn_linear
-from mmattn.attention._inputs import check_inputs
+from mmattn.attention._inputs import check_inputs, from_batch_first, to_batch_first
 from mmattn.attention._interop import TorchInterop
 from mmattn.attention._modifiers import init_modifiers, modifier_repr, score_modifiers
 from mmattn.attention._nested import nested_forward
@@ -168,7 +168,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         self.vdim = vdim
         self.batch_first = checks.check_bool("batch_first", batch_first)
         self.add_zero_attn = bool(add_zero_attn)
-        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
+        factory = checks.check_factory(device, dtype)
         # Allocated without drawing: reset_parameters draws in nn.MultiheadAttention's order.
         self.q_proj = undrawn_linear(embed_dim, embed_dim, bias, **factory)
         self.k_proj = undrawn_linear(kdim, kv_dim, bias, **factory)
@@ -331,12 +331,9 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask, is_causal)
         if cache is not None:
             check_cache_step(self, cache, batched, key_padding_mask, attn_mask, is_causal)
-        if not batched:
-            query, key, value = query[None], key[None], value[None]
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask[None]
-        elif not self.batch_first:
-            query, key, value = (rearrange(t, "l b d -> b l d") for t in (query, key, value))
+        query, key, value, key_padding_mask = to_batch_first(
+            self, batched, query, key, value, key_padding_mask
+        )
 
         q = rearrange(self.q_proj(query), "b l (h e) -> b h l e", h=self.num_heads)
         dropout_p = self.dropout if self.training else 0.0
@@ -349,17 +346,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
                 self, q, key, value, cache, key_padding_mask, dropout_p, need_weights
             )
         out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
-
-        if not batched:
-            out = out[0]
-        elif not self.batch_first:
-            out = rearrange(out, "b l d -> l b d")
-        if weights is not None:
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-            if not batched:
-                weights = weights[0]
-        return out, weights
+        return from_batch_first(self, batched, out, weights, average_attn_weights)
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Key and value projections, split into the ``num_kv_heads`` heads."""

@@ -21,28 +21,33 @@ from torch import Tensor, nn
 from mmattn import _checks as checks
 from mmattn._helpers import default, exporting
 from mmattn.attention._decoding import refuse_chunk_cache
+from mmattn.attention._fx import fx_leaf
 from mmattn.attention._geo_modifiers import dense_terms, init_position_bias, position_table
+from mmattn.attention._inputs import from_batch_first, to_batch_first
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._neighborhood_geometry import (
     check_exportable,
     check_geometry,
     dense_allowed,
     grid_from_meta,
+    is_grid_list,
+    rows_position,
 )
 from mmattn.attention._packed_checks import check_packed, check_values
 from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
-from mmattn.kernels._neighborhood_plan import build_plan
-from mmattn.kernels._neighborhood_terms import grid_coords, softmax_modifiers, tile_terms
+from mmattn.kernels._neighborhood_terms import softmax_modifiers
 from mmattn.kernels.dense import attend, explicit_reasons, report, reporting
-from mmattn.kernels.modifiers import Modifiers, with_bias
+from mmattn.kernels.modifiers import with_bias
 from mmattn.kernels.neighborhood import (
+    build_plan,
     choose_tiles,
     neighborhood_attend,
     neighborhood_rows,
     packed_items,
 )
 from mmattn.kernels.packed import contiguous_parts, is_jagged, jagged
+from mmattn.masks import merge_masks
 from mmattn.relative_position import RelativePositionBias
 
 __all__ = ["NeighborhoodAttention"]
@@ -166,7 +171,6 @@ class NeighborhoodAttention(MultiHeadAttention):
             position=position, sinks=sinks, softcap=softcap, alibi=alibi,
         )
         init_position_bias(self, relative_position_bias, device, dtype)
-        self._call_geometry: tuple[Any, Any] | None = None
 
     def reset_parameters(self) -> None:
         """As :meth:`MultiHeadAttention.reset_parameters`, then the bias table (Swin's draw)."""
@@ -222,7 +226,17 @@ class NeighborhoodAttention(MultiHeadAttention):
 
         ``grid`` is required (keyword-only); ``grid_start`` (default ``num_global_tokens``)
         is the index of the grid's first token, and with it every other token is global.
+        The geometry travels with the call (never stored on the module), so one module may
+        serve several threads with different grids at once.
         """
+        traced = fx_leaf(self, (query,), {
+            "key": key, "value": value, "key_padding_mask": key_padding_mask,
+            "need_weights": need_weights, "attn_mask": attn_mask,
+            "average_attn_weights": average_attn_weights, "is_causal": is_causal,
+            "grid": grid, "grid_start": grid_start,
+        })
+        if traced is not None:  # torch.fx: one call_module node (see attention/_fx.py)
+            return traced
         reject_sparse_mask(self, attn_mask)  # TypeError naming attn_mask (attention/_sparse.py)
         _check_not_causal(is_causal)
         if is_jagged(query) or is_jagged(key) or is_jagged(value):
@@ -237,14 +251,32 @@ class NeighborhoodAttention(MultiHeadAttention):
                 average_attn_weights,
             )
             return jagged(out, q_off), weights
-        self._call_geometry = (grid, grid_start)
-        try:
-            return super().forward(
-                query, key, value, key_padding_mask, need_weights, attn_mask,
-                average_attn_weights, False,
+        if isinstance(query, Tensor) and query.is_nested:
+            raise ValueError(
+                "NeighborhoodAttention takes packed input as a jagged nested tensor "
+                "(layout=torch.jagged, as Tokens.pack makes it), got a strided one"
             )
-        finally:
-            self._call_geometry = None
+        key = default(key, query)
+        value = default(value, key)
+        batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        grid, grid_start = self._check_geometry(query, batched, grid, grid_start)
+        query, key, value, key_padding_mask = to_batch_first(
+            self, batched, query, key, value, key_padding_mask
+        )
+        q = rearrange(self.q_proj(query), "b l (h e) -> b h l e", h=self.num_heads)
+        k, v = self._project_kv(key, value)
+        if self.position is not None:
+            q, k = self.position(q, 0), self.position(k, 0)
+        mask = merge_masks(
+            key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
+            dtype=q.dtype,
+        )
+        out, weights = self._windows(
+            q, k, v, mask, grid, grid_start, dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+        )
+        out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
+        return from_batch_first(self, batched, out, weights, average_attn_weights)
 
     def attend_rows(
         self,
@@ -297,7 +329,7 @@ class NeighborhoodAttention(MultiHeadAttention):
         k = rearrange(self.k_proj(kv), "t (k e) -> t k e", k=self.num_kv_heads)
         v = rearrange(self.v_proj(vv), "t (k e) -> t k e", k=self.num_kv_heads)
         if self.position is not None:
-            q, k = (_rows_position(self.position, t, lengths) for t in (q, k))
+            q, k = (rows_position(self.position, t, lengths) for t in (q, k))
         out = weights = None
         if items:
             tiles = choose_tiles(items, self.kernel_size, self.dilation)
@@ -310,16 +342,9 @@ class NeighborhoodAttention(MultiHeadAttention):
                 report("neighborhood", explicit_reasons(need_weights, mods), q=q, k=k, v=v,
                        mask=None, dropout_p=dropout_p, plan=plan, modifiers=mods,
                        position_bias=table)
-            term = None
-            if table is not None or (mods is not None and mods.slopes is not None):
-                term = tile_terms(
-                    plan, grid_coords(qv.shape[0], items, qv.device),
-                    slopes=None if mods is None else mods.slopes, table=table,
-                    kernel=self.kernel_size, dilation=self.dilation, dtype=q.dtype,
-                )
             out, weights = neighborhood_rows(
                 q, k, v, plan, dropout_p=dropout_p, need_weights=need_weights, modifiers=mods,
-                term=term,
+                table=table,
             )
         else:
             out = q.new_zeros(0, self.num_heads, self.head_dim)
@@ -341,28 +366,46 @@ class NeighborhoodAttention(MultiHeadAttention):
             query, key, value, key_padding_mask, attn_mask, is_causal
         )
         seq_dim = 1 if batched and self.batch_first else 0
-        length = query.shape[seq_dim]
-        if key.shape[seq_dim] != length:
+        if key.shape[seq_dim] != query.shape[seq_dim]:
             raise ValueError(
-                f"NeighborhoodAttention needs key of the same length as query ({length}), got "
-                f"key {tuple(key.shape)} and query {tuple(query.shape)}"
+                f"NeighborhoodAttention needs key of the same length as query "
+                f"({query.shape[seq_dim]}), got key {tuple(key.shape)} and query "
+                f"{tuple(query.shape)}"
             )
-        batch = query.shape[1 - seq_dim] if batched else 1
-        grid, grid_start = self._call_geometry or (None, None)
-        if not isinstance(batch, int) or not isinstance(length, int):
-            check_exportable(grid, grid_start, length)
-            batch = 1  # one grid for every item: checking one item checks them all
-        self._call_geometry = check_geometry(
-            grid, grid_start, [length] * batch, self.num_global_tokens, packed=False
-        )
         return batched
 
-    def _attention(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool,
-        dropout_p: float, need_weights: bool, modifiers: Modifiers | None = None,
+    def _check_geometry(
+        self, query: Tensor, batched: bool, grid: Any, grid_start: Any
+    ) -> tuple[Any, Any]:
+        """The call's checked ``(grid, grid_start)`` for a padded (or unbatched) query."""
+        seq_dim = 1 if batched and self.batch_first else 0
+        length = query.shape[seq_dim]
+        batch = query.shape[1 - seq_dim] if batched else 1
+        if not isinstance(batch, int) or not isinstance(length, int):
+            check_exportable(grid, grid_start, length)
+        shared = not (is_grid_list(grid) or isinstance(grid_start, (Sequence, Tensor)))
+        # one grid for every item: checking one item checks them all (and, traced, no
+        # guard on the batch size)
+        return check_geometry(
+            grid, grid_start, [length] * (1 if shared else batch), self.num_global_tokens,
+            packed=False,
+        )
+
+    def _attention(self, *args: Any, **kwargs: Any) -> Any:
+        """Not used: :meth:`forward` passes the grid to the kernel with the call (a dense
+        attention here would silently ignore the window)."""
+        raise TypeError(
+            "NeighborhoodAttention attends through forward(..., grid=...): its attention step "
+            "needs the call's grid, which only forward has"
+        )
+
+    def _windows(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, grid: Any, grid_start: Any,
+        *, dropout_p: float, need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        grid, grid_start = self._call_geometry
-        mods, table = default(modifiers, score_modifiers(self)), position_table(self)
+        """The attention step on head-split tensors, with the call's geometry and the
+        module's score modifiers (all passed down with the call)."""
+        mods, table = score_modifiers(self), position_table(self)
         key_mask = None
         if mask is not None:
             if mask.shape[-2] != 1 or mask.shape[-3] != 1:  # an attn_mask: dense fallback
@@ -398,16 +441,3 @@ def _check_not_causal(is_causal: bool) -> None:
             "causal order; use LocalAttention(causal=True) for sequences"
         )
 
-
-def _rows_position(position: Callable[..., Tensor], x: Tensor, lengths: list[int]) -> Tensor:
-    """``position(x, 0)`` on each item of packed rows (t, h, e), positions from 0 per item."""
-    if not lengths:
-        return x
-    longest = max(lengths)
-    offsets = torch.tensor([0, *lengths], device=x.device).cumsum(0)[:-1]
-    slot = torch.arange(longest, device=x.device)
-    real = slot[None, :] < torch.tensor(lengths, device=x.device)[:, None]  # (b, l)
-    index = torch.where(real, offsets[:, None] + slot[None, :], x.shape[0])
-    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]  # (b, l, h, e)
-    moved = rearrange(position(rearrange(padded, "b l h e -> b h l e"), 0), "b h l e -> b l h e")
-    return moved[real]

@@ -58,7 +58,7 @@ class MLP(nn.Sequential):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
+        factory = checks.check_factory(device, dtype)
         super().__init__(
             nn.Linear(embed_dim, hidden_dim, bias=bias, **factory),
             nn.GELU(),

@@ -35,7 +35,9 @@ from mmattn.registry import AttentionSpec
 from mmattn.tokens import RESERVED_NAMES, Tokens
 
 #: meta keys the encoder writes itself; no modality may be named so.
-RESERVED_MODALITIES = (*RESERVED_NAMES, "modalities", "fusion", "context", "edge_index")
+RESERVED_MODALITIES = (
+    *RESERVED_NAMES, "modalities", "fusion", "context", "edge_index", "edge_bias"
+)
 
 __all__ = ["MultiModalEncoder"]
 
@@ -62,9 +64,11 @@ class MultiModalEncoder(nn.Module):
     sequence), each adapter's own meta under its name, ``"modalities"`` (the names in
     order) and ``"fusion"``. For "latent" the spans refer to ``meta["context"]``, the
     fused input Tokens the latents attended. The ``meta["edge_index"]`` of graph parts is
-    re-indexed into the fused sequence (``meta["edge_index"]``), so ``attention="edge"``
-    works with no extra argument: graph nodes attend along their edges, and the tokens of
-    modalities without edges attend only themselves (their self loop).
+    re-indexed into the fused sequence (``meta["edge_index"]``), and their
+    ``meta["edge_bias"]`` follows those edges (``meta["edge_bias"]``; zeros for a graph
+    part without one), so ``attention="edge"`` works with no extra argument: graph nodes
+    attend along their edges, and the tokens of modalities without edges attend only
+    themselves (their self loop).
 
     Args:
         adapters: ``{name: adapter}``; each adapter maps its input to Tokens of width
@@ -97,8 +101,9 @@ class MultiModalEncoder(nn.Module):
         TypeError: ``adapters`` or ``inputs`` is not a mapping; an adapter is not a module
             or does not return Tokens.
         ValueError: no adapters or inputs; an unknown modality name, or a reserved one
-            ("spans", "modalities", "fusion", "context", "edge_index": the meta keys the
-            encoder writes);
+            ("spans", "modalities", "fusion", "context", "edge_index", "edge_bias": the meta
+            keys the encoder writes); a part's ``meta["edge_bias"]`` that does not fit its
+            edges;
             an adapter of another width; modalities with different batch sizes; unknown
             ``fusion``; ``pattern`` with ``fusion="latent"``.
 
@@ -161,7 +166,7 @@ class MultiModalEncoder(nn.Module):
                 'pattern= needs fusion="concat" (the latents have no spans to pattern), got '
                 f"fusion={fusion!r}"
             )
-        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
+        factory = checks.check_factory(device, dtype)
         self.embed_dim = embed_dim
         self.depth = depth
         self.num_heads = num_heads
@@ -257,9 +262,11 @@ class MultiModalEncoder(nn.Module):
             raise ValueError(f"inputs must share one batch size, got {sizes}")
         fused = Tokens.cat(parts)
         fused.meta["modalities"] = list(parts)
-        edges = fused_edges(parts, fused)  # graph edges in the fused order, for EdgeAttention
+        edges, bias = fused_edges(parts, fused)  # graph edges in the fused order (EdgeAttention)
         if edges is not None:
             fused.meta["edge_index"] = edges
+        if bias is not None:
+            fused.meta["edge_bias"] = bias
         if fused.is_packed:
             return fused
         return fused.replace(fused.zero_padding())

@@ -119,12 +119,12 @@ class TransformerBlock(nn.Module):
         if window_size is not None:
             checks.check_positive_int("window_size", window_size, minimum=0)
             kwargs["window_size"] = window_size
-        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
+        factory = checks.check_factory(device, dtype)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.mlp_ratio = mlp_ratio
         self.attention = label
-        self.causal = bool(causal)
+        self.causal = checks.check_bool("causal", causal)
         self.window_size = window_size
         self.pattern = check_pattern(pattern)
         self.norm1 = nn.LayerNorm(embed_dim, eps=norm_eps, **factory)
@@ -273,7 +273,7 @@ class CrossAttentionBlock(nn.Module):
         super().__init__()
         hidden = check_common(embed_dim, num_heads, dropout, mlp_ratio, norm_eps)
         kdim = checks.check_positive_int("kdim", embed_dim if kdim is None else kdim)
-        factory = {"device": device, "dtype": checks.check_factory_dtype("dtype", dtype)}
+        factory = checks.check_factory(device, dtype)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.kdim = kdim

@@ -232,12 +232,11 @@ class Session:
         raise Unsupported(f"the {path!r} kernel path is not known to attention_mass")
 
     def _neighborhood(self, record: dict, call: Call) -> Iterator:
-        from mmattn.kernels._neighborhood_plan import build_plan
-        from mmattn.kernels.neighborhood import choose_tiles, padded_items
+        from mmattn.kernels.neighborhood import build_plan, choose_tiles, padded_items
 
         q, k, key_mask = record["q"], record["k"], record.get("mask")
         plan = record.get("plan")
-        if plan is None:  # the padded form: the kernel's own (cached) plan of this geometry
+        if plan is None:  # the padded form: a plan over every item of the batch
             batch, _, length, _ = q.shape
             kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
             items = padded_items(batch, length, record["grid"],

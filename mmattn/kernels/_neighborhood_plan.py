@@ -7,7 +7,11 @@ Axis key: ``n`` tiles, ``s`` query slots of a tile (``th · tw``), ``t`` key slo
 A plan says, for a batch of items laid out as flat rows, which rows every tile gathers as
 queries and keys and which (query, key) pairs of a tile are allowed. It depends only on the
 geometry (grids, kernel, dilation, tile shape), never on the values, so it is built once on
-the CPU with integer tensors and cached per device.
+the CPU with integer tensors and cached per device. A padded batch whose items share one
+grid uses the plan of ONE item for every item (:func:`shared_plan`, the gathers run along
+the token axis); per-item grids and packed rows use a plan of all their items. Plans and
+the additive tile masks made from them live in one LRU cache bounded in bytes
+(:data:`CACHE`), never in a count of entries.
 
 With dilation d an axis splits into d subgrids ``{p : p = a mod d}``, each an ordinary
 (dilation 1) neighbourhood problem; tiles never mix subgrids. Along an axis of a subgrid of
@@ -21,11 +25,17 @@ are never allowed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import NamedTuple
+import math
+import threading
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+from mmattn._helpers import ceil_div, exporting
 
 
 class Item(NamedTuple):
@@ -47,17 +57,18 @@ class Item(NamedTuple):
 class Plan(NamedTuple):
     """Index tensors of one geometry (``z`` = the zero row = number of flat rows).
 
-    - ``q_index`` (n·s,), ``k_index`` (n·t,): flat rows the tiles gather; ``allowed``
-      (n, s, t) bool: the exact window (and global) pattern of each tile;
+    - ``q_index`` (n·s,), ``k_index`` (n·t,): rows the tiles gather; ``allowed`` (n, s, t)
+      bool: the exact window (and global) pattern of each tile;
     - ``gq_index`` (b', g'), ``gk_index`` (b', j') and ``gk_valid`` (b', j'): the global
       query rows of the b' items that have any, and every key row of those items;
-    - ``pick`` (rows,): where each flat row's result lies in ``cat(tile results, global
+    - ``pick`` (rows,): where each row's result lies in ``cat(tile results, global
       results, zero)``;
     - ``k_col`` (n, t) and ``gk_col`` (b', j'): each key slot's position inside its item
       (``width`` for empty slots), for the dense weights;
-    - ``width``: the longest item; ``tiles``: (th, tw); ``has_dead``: some row is dead;
-    - ``additive``: ``allowed`` as additive (n, 1, s, t) masks by dtype, filled on demand
-      (SDPA runs faster on an additive mask than on a bool one it converts every call).
+    - ``width``: the longest item; ``tile_shape`` (n, s, t) and ``global_shape`` (b', g')
+      as ints (shapes of a traced constant are not read back under ``torch.compile``);
+      ``key``: the arguments it was built from (it keys the cached tile masks of
+      :func:`tile_mask`).
     """
 
     q_index: Tensor
@@ -70,18 +81,67 @@ class Plan(NamedTuple):
     k_col: Tensor
     gk_col: Tensor
     width: int
-    tiles: tuple[int, int]
-    has_dead: bool
-    additive: dict
+    tile_shape: tuple[int, int, int]
+    global_shape: tuple[int, int]
+    key: tuple
 
 
-def additive_mask(plan: Plan, dtype: torch.dtype) -> Tensor:
-    """``plan.allowed`` as a (n, 1, s, t) additive mask of ``dtype`` (0 / -inf), cached."""
-    mask = plan.additive.get(dtype)
+class ByteCache:
+    """A least-recently-used cache bounded by the bytes of what it holds (thread-safe).
+
+    A value larger than the whole budget is returned to the caller but not kept.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.nbytes = 0
+        self._entries: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: Any, value: Any, nbytes: int) -> Any:
+        with self._lock:
+            if nbytes > self.limit or key in self._entries:
+                return value
+            self._entries[key] = (value, nbytes)
+            self.nbytes += nbytes
+            while self.nbytes > self.limit:
+                _, (_, size) = self._entries.popitem(last=False)
+                self.nbytes -= size
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+
+
+#: Plans and tile masks of every device together: at most this many bytes (64 MiB).
+CACHE = ByteCache(64 * 2**20)
+
+
+def tile_mask(plan: Plan, dtype: torch.dtype, copies: int) -> Tensor:
+    """``plan.allowed`` as an additive ((copies n), 1, s, t) mask of ``dtype`` (0 / -inf),
+    repeated for ``copies`` items that share the plan; cached (SDPA runs faster on an
+    additive mask than on a bool one it converts on every call)."""
+    key = ("mask", plan.key, dtype, copies)
+    mask = CACHE.get(key)
     if mask is None:
         mask = torch.zeros(plan.allowed.shape, dtype=dtype, device=plan.allowed.device)
         mask = mask.masked_fill_(~plan.allowed, float("-inf"))[:, None]
-        plan.additive[dtype] = mask
+        if copies > 1:
+            mask = mask.repeat(copies, 1, 1, 1)
+        mask = CACHE.put(key, mask, mask.nbytes)
     return mask
 
 
@@ -123,7 +183,6 @@ def _axis(n: int, k: int, d: int, t: int) -> list[tuple[Tensor, Tensor, Tensor]]
     return out
 
 
-@functools.lru_cache(maxsize=64)
 def _grid_tiles(
     rows: int, cols: int, kernel: tuple[int, int], dilation: tuple[int, int],
     tiles: tuple[int, int],
@@ -162,22 +221,103 @@ def _live_length(item: Item) -> int:
 TILE_CHOICES = (4, 6, 8, 12, 16)
 
 
-def build_plan(
+@functools.lru_cache(maxsize=64)
+def choose_tiles(
+    items: tuple[Item, ...], kernel: tuple[int, int], dilation: tuple[int, int]
+) -> tuple[int, int]:
+    """Tile shape (th, tw) from a cost model: per tile ``s · t`` scores plus a fixed cost.
+
+    A tile of th × tw queries scores ``(th + kh - 1)(tw + kw - 1)`` grid keys for each
+    query: small tiles waste fewer scores, large ones make fewer, bigger matmuls and
+    gather fewer halo keys. The fixed cost of a tile is worth :data:`TILE_OVERHEAD` scores
+    (measured on the CPU, docs/performance.md). Sides are capped at a subgrid's size.
+    """
+    best, best_cost = (1, 1), math.inf
+    shapes = [(ceil_div(it.rows, dilation[0]), ceil_div(it.cols, dilation[1])) for it in items]
+    sub = dilation[0] * dilation[1]
+    for th in TILE_CHOICES:
+        for tw in TILE_CHOICES:
+            th_ = min(th, max(r for r, _ in shapes))
+            tw_ = min(tw, max(c for _, c in shapes))
+            keys = (th_ + kernel[0] - 1) * (tw_ + kernel[1] - 1)
+            cost = 0.0
+            for rows, cols in shapes:
+                tiles = sub * ceil_div(rows, min(th_, rows)) * ceil_div(cols, min(tw_, cols))
+                cost += tiles * (th_ * tw_ * keys + TILE_OVERHEAD)
+            if cost < best_cost:
+                best, best_cost = (th_, tw_), cost
+    return best
+
+
+#: The fixed cost of one tile, in scores (see :func:`choose_tiles`).
+TILE_OVERHEAD = 6144
+
+
+def cached_plan(
     total: int,
     items: tuple[Item, ...],
     kernel: tuple[int, int],
     dilation: tuple[int, int],
     tiles: tuple[int, int],
-    device: torch.device,
+    device: torch.device | str,
 ) -> Plan:
-    """The plan of ``items`` in ``total`` flat rows (see :class:`Plan`); cached."""
-    return _build_plan(total, items, kernel, dilation, tiles, str(device))
+    """The plan of ``items`` in ``total`` flat rows (see :class:`Plan`), from :data:`CACHE`.
+
+    Unchecked: :func:`mmattn.kernels.neighborhood.build_plan` checks the items first.
+    """
+    key = ("plan", total, items, kernel, dilation, tiles, str(device))
+    plan = CACHE.get(key)
+    if plan is None:
+        plan = _build_plan(total, items, kernel, dilation, tiles, str(device), key)
+        size = sum(t.nbytes for t in plan if isinstance(t, Tensor))
+        plan = CACHE.put(key, plan, size)
+    return plan
 
 
-@functools.lru_cache(maxsize=32)
+@contextlib.contextmanager
+def _outside_trace():
+    """Run eager torch on real tensors while a tracer is active (results become constants)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+def shared_plan(
+    item: Item, kernel: tuple[int, int], dilation: tuple[int, int],
+    tiles: tuple[int, int] | None, device: torch.device | str,
+) -> Plan:
+    """The plan of one item (offset 0) that every item of a padded batch shares; ``tiles``
+    None: :func:`choose_tiles`.
+
+    Built outside any trace from the static sizes of the item: ``torch.export`` and
+    ``torch.compile`` take its tensors as constants, so nothing is guarded on data and no
+    plan (nor tile choice) is rebuilt inside a graph.
+    """
+    th, tw = tiles or (0, 0)
+    return _constant_plan(item.length, item.rows, item.cols, item.start, item.tail_global,
+                          *kernel, *dilation, th, tw, str(device))
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph
+def _constant_plan(
+    length: int, rows: int, cols: int, start: int, tail_global: bool, kh: int, kw: int,
+    dh: int, dw: int, th: int, tw: int, device: str,
+) -> Plan:
+    """:func:`shared_plan` on plain ints (what ``assume_constant_result`` takes)."""
+    item = Item(0, length, rows, cols, start, tail_global)
+    tiles = (th, tw) if th else choose_tiles((item,), (kh, kw), (dh, dw))
+    build = (length, (item,), (kh, kw), (dh, dw), tiles, device)
+    if not exporting():
+        return cached_plan(*build)
+    with _outside_trace():
+        return cached_plan(*build)
+
+
 def _build_plan(
     total: int, items: tuple[Item, ...], kernel: tuple[int, int], dilation: tuple[int, int],
-    tiles: tuple[int, int], device: str,
+    tiles: tuple[int, int], device: str, key: tuple,
 ) -> Plan:
     zero = total
     width = max((item.length for item in items), default=0)
@@ -190,8 +330,12 @@ def _build_plan(
     slots = tiles[0] * tiles[1]
     tile_picks = []
     glob_items = 0
+    grids: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
     for item, glob in zip(items, globs):
-        q_cells, k_cells, ok = _grid_tiles(item.rows, item.cols, kernel, dilation, tiles)
+        shape = (item.rows, item.cols)
+        if shape not in grids:
+            grids[shape] = _grid_tiles(*shape, kernel, dilation, tiles)
+        q_cells, k_cells, ok = grids[shape]
         n = q_cells.shape[0]
         q_rel = torch.where(q_cells >= 0, item.start + q_cells, -1)
         k_rel = torch.where(k_cells >= 0, item.start + k_cells, -1)
@@ -237,23 +381,28 @@ def _build_plan(
     for m, (rows_, cols) in enumerate(zip(gk, gk_cols)):
         gk_index[m, : len(rows_)] = rows_
         gk_col[m, : len(cols)] = cols
-    to = functools.partial(torch.Tensor.to, device=torch.device(device))
+    target = torch.device(device)
+
+    def to(t: Tensor) -> Tensor:
+        return t.to(device=target)
 
     def cat(parts: list[Tensor], shape: tuple[int, ...]) -> Tensor:
         return torch.cat(parts) if parts else torch.zeros(shape, dtype=torch.long)
 
+    allowed = torch.cat(oks) if oks else torch.zeros(0, slots, 0, dtype=torch.bool)
+    gq_index = torch.stack(gq) if gq else torch.zeros(0, 0, dtype=torch.long)
     return Plan(
         q_index=to(cat(q_idx, (0,))),
         k_index=to(cat(k_idx, (0,))),
-        allowed=to(torch.cat(oks) if oks else torch.zeros(0, slots, 0, dtype=torch.bool)),
-        gq_index=to(torch.stack(gq) if gq else torch.zeros(0, 0, dtype=torch.long)),
+        allowed=to(allowed),
+        gq_index=to(gq_index),
         gk_index=to(gk_index),
         gk_valid=to(gk_col < width),
         pick=to(pick),
         k_col=to(cat(k_cols, (0, 0))),
         gk_col=to(gk_col),
         width=width,
-        tiles=tiles,
-        has_dead=bool(dead.any()),
-        additive={},
+        tile_shape=tuple(allowed.shape),
+        global_shape=tuple(gq_index.shape),
+        key=key,
     )

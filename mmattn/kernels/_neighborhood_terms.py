@@ -15,19 +15,21 @@ dilation, as NATTEN indexes its ``rpb`` (a dilated window's keys are d cells apa
 offsets −(k − 1) .. k − 1). A pair with a global token (class / register tokens, the other
 modalities' tokens around a ``grid_start``) has no cell: both terms are 0 there.
 
-The cell of every flat row depends only on the geometry and is cached (:func:`grid_coords`);
-the terms are gathered per call (the table is a parameter).
+The cell of every flat row depends only on the geometry and is cached with the plans, in
+the cache bounded in bytes (:func:`plan_coords`, a constant under ``torch.compile`` and
+``torch.export``, as the plan); the terms are gathered per call (the table is a parameter)
+and reach the one tile runner (:func:`._neighborhood.run_tiles`) as call arguments.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from mmattn.kernels._neighborhood_plan import Item, Plan
+from mmattn._helpers import exporting
+from mmattn.kernels._neighborhood_plan import CACHE, Item, Plan, _outside_trace
 from mmattn.kernels.modifiers import Modifiers
 
 
@@ -40,22 +42,39 @@ def softmax_modifiers(modifiers: Modifiers | None) -> Modifiers | None:
     return kept if kept else None
 
 
-def grid_coords(total: int, items: tuple[Item, ...], device: torch.device) -> Tensor:
+def grid_coords(total: int, items: tuple[Item, ...], device: torch.device | str) -> Tensor:
     """(total + 1, 2) long: the (row, col) cell of each flat row, (-1, -1) off the grid
-    (global tokens, dead padding, the zero row at index ``total``); cached. While exporting
-    call :func:`~._neighborhood_export.static_coords` instead."""
-    return _grid_coords(total, items, str(device))
+    (global tokens, dead padding, the zero row at index ``total``); cached in the plans'
+    cache (bounded in bytes). Inside a trace call :func:`plan_coords` instead."""
+    key = ("coords", total, items, str(device))
+    coords = CACHE.get(key)
+    if coords is None:
+        coords = torch.full((total + 1, 2), -1, dtype=torch.long)
+        for item in items:
+            cells = torch.arange(item.rows * item.cols)
+            first = item.offset + item.start
+            coords[first:first + cells.numel(), 0] = cells // item.cols
+            coords[first:first + cells.numel(), 1] = cells % item.cols
+        coords = coords.to(torch.device(device))
+        coords = CACHE.put(key, coords, coords.nbytes)
+    return coords
 
 
-@functools.lru_cache(maxsize=32)
-def _grid_coords(total: int, items: tuple[Item, ...], device: str) -> Tensor:
-    coords = torch.full((total + 1, 2), -1, dtype=torch.long)
-    for item in items:
-        cells = torch.arange(item.rows * item.cols)
-        first = item.offset + item.start
-        coords[first:first + cells.numel(), 0] = cells // item.cols
-        coords[first:first + cells.numel(), 1] = cells % item.cols
-    return coords.to(torch.device(device))
+def plan_coords(plan: Plan) -> Tensor:
+    """The cells of the rows ``plan`` was built for (:func:`grid_coords`); built outside any
+    trace, so ``torch.compile`` and ``torch.export`` take them as a constant, as the plan."""
+    _, total, items, _, _, _, device = plan.key
+    return static_coords(total, items, device)
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph
+def static_coords(total: int, items: tuple[Item, ...], device: str) -> Tensor:
+    """:func:`grid_coords`, built outside any trace (a constant of a compiled or exported
+    graph); ``device`` as a string."""
+    if not exporting():
+        return grid_coords(total, items, device)
+    with _outside_trace():
+        return grid_coords(total, items, device)
 
 
 def pair_terms(
@@ -99,12 +118,16 @@ def pair_terms(
 
 
 def tile_terms(
-    plan: Plan, coords: Tensor, *, slopes: Tensor | None, table: Tensor | None,
-    kernel: tuple[int, int], dilation: tuple[int, int], dtype: torch.dtype,
+    plan: Plan, modifiers: Modifiers | None, table: Tensor | None, dtype: torch.dtype
 ) -> Tensor | None:
-    """The terms of every tile of ``plan``: (n, h, s, t), or None."""
-    n, slots, keys = plan.allowed.shape
+    """The ALiBi and table terms of every tile of ``plan``: (n, h, s, t), or None without
+    either (the kernel and dilation are the plan's)."""
+    slopes = None if modifiers is None else modifiers.slopes
+    if slopes is None and table is None:
+        return None
+    _, _, _, kernel, dilation, _, _ = plan.key
+    n, slots, keys = plan.tile_shape
     return pair_terms(
-        coords, plan.q_index.view(n, slots), plan.k_index.view(n, keys), slopes=slopes,
-        table=table, kernel=kernel, dilation=dilation, dtype=dtype,
+        plan_coords(plan), plan.q_index.view(n, slots), plan.k_index.view(n, keys),
+        slopes=slopes, table=table, kernel=kernel, dilation=dilation, dtype=dtype,
     )

@@ -12,7 +12,7 @@ How each runs:
 
 - sinks, fused: the sink is one more edge into every query, from a zero key and value row
   appended at index ``m``, whose bias is ``σ_h`` (its score ``q · 0 = 0``). The memory-lean
-  :class:`~mmattn.kernels.segment.EdgeAttend` then runs unchanged on ``E + n`` edges and
+  :class:`~mmattn.kernels._segment.EdgeAttend` then runs unchanged on ``E + n`` edges and
   its bias gradient is the sinks' gradient. A query with no edge keeps only its sink: its
   result is 0, as without sinks.
 - softcap is not linear in the score: the explicit twin (:func:`edge_attend_modified_explicit`,
@@ -24,15 +24,13 @@ refuses ``alibi=True``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmattn.kernels._segment import EdgeAttend, acc_dtype, default_scale, segment_softmax
 from mmattn.kernels.dense import explicit_reasons, report, reporting, use_fused_attn
 from mmattn.kernels.modifiers import Modifiers
-from mmattn.kernels.segment import EdgeAttend
 
 __all__ = ["edge_attend_modified", "edge_attend_modified_explicit", "sink_edges"]
 
@@ -72,33 +70,28 @@ def edge_attend_modified_explicit(
         - q: (n, h, e); k: (m, k, e); v: (m, k, f); src, dst: (E,); bias: (E, h)
         - returns: (n, h, f) and the weights (E, h) (before dropout)
     """
-    n, heads = q.shape[0], q.shape[1]
-    groups = heads // max(k.shape[1], 1)
-    acc = torch.promote_types(q.dtype, torch.float32)
+    n, edges = q.shape[0], src.shape[0]
+    groups, acc = q.shape[1] // max(k.shape[1], 1), acc_dtype(q)
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q[dst].to(acc) * k[src].to(acc)).sum(-1) * scale  # (E, h)
     if modifiers.softcap is not None:
         scores = torch.tanh(scores / modifiers.softcap) * modifiers.softcap
     if bias is not None:
         scores = scores + bias.to(acc)
-    sinks = None if modifiers.sinks is None else modifiers.sinks.to(acc)[None]  # (1, h)
-    with torch.no_grad():  # the softmax does not depend on the shift
-        index = dst[:, None].expand_as(scores)
-        peak = scores.new_full((n, heads), -math.inf).scatter_reduce_(0, index, scores, "amax")
-        if sinks is not None:
-            peak = torch.maximum(peak, sinks)
-        peak = torch.where(torch.isneginf(peak), 0.0, peak)
-    p = torch.exp(scores - peak.index_select(0, dst))
-    total = p.new_zeros(n, heads).index_add(0, dst, p)
-    if sinks is not None:
-        total = total + torch.exp(sinks - peak)
-    weights = p / torch.where(total > 0, total, 1.0).index_select(0, dst)
+    if modifiers.sinks is None:
+        weights = segment_softmax(scores, dst, n)
+    else:  # the sink: one more score sigma_h per query, in the one segment softmax
+        sinks = modifiers.sinks.to(acc)[None].expand(n, -1)  # (n, h)
+        queries = torch.arange(n, device=dst.device)
+        weights = segment_softmax(torch.cat([scores, sinks]), torch.cat([dst, queries]), n)
+        weights = weights[:edges]
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    out = q.new_zeros(n, heads, v.shape[-1], dtype=acc)
+    out = q.new_zeros(n, q.shape[1], v.shape[-1], dtype=acc)
     out = out.index_add(0, dst, dropped[..., None] * v[src].to(acc))
     return out.to(q.dtype), weights
 
 
+@torch.compiler.disable  # sparse CSR products and an autograd.Function: run eagerly
 def edge_attend_modified(
     q: Tensor, k: Tensor, v: Tensor, src: Tensor, dst: Tensor, modifiers: Modifiers, *,
     bias: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
@@ -118,8 +111,7 @@ def edge_attend_modified(
         report("edge-explicit" if explicit else "edge", explicit_reasons(need_weights, modifiers),
                q=q, k=k, v=v, num_edges=src.shape[0], dropout_p=dropout_p, src=src, dst=dst,
                bias=bias, scale=scale, modifiers=modifiers)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    scale = default_scale(q, scale)
     if explicit:
         out, weights = edge_attend_modified_explicit(
             q, k, v, src, dst, modifiers, bias=bias, scale=scale, dropout_p=dropout_p

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from mmattn._helpers import exporting, surely
+from mmattn._helpers import ceil_div, exporting, surely
+from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.dense import attend
 from mmattn.kernels.modifiers import Modifiers, with_bias
@@ -91,7 +92,7 @@ def local_attend(
     groups: int | None = None,
     modifiers: Modifiers | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Unchecked blocked band attention on head-split tensors.
+    """Blocked band attention on head-split tensors (checked in O(1): shapes, sizes, mask).
 
     Args:
         q, k, v: queries, keys, values of one length ``l``.
@@ -115,6 +116,7 @@ def local_attend(
           K/V)
         - returns: (b, h, l, e) and (b, h, l, l) weights or None
     """
+    _inputs.check_band(q, k, v, window_size, key_mask, num_global_tokens, block_size)
     batch, heads, length, _ = q.shape
     groups = _kernel.num_groups(q, k, groups)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -131,14 +133,16 @@ def local_attend(
             groups=groups, modifiers=mods,
         )
     # Blocks of ceil(l / s); no negative floor division (ONNX's integer Div truncates).
-    if isinstance(length, int):  # clamped to the sequence: a wider band sees the same keys
+    if isinstance(length, int) and not torch.compiler.is_compiling():
+        # eager: clamped to the sequence (a wider band sees the same keys)
         window = min(window_size, length - 1)
         block = min(block_size or default_block_size(window), length)
         blocks = (length + block - 1) // block
     else:
-        # A traced length (torch.export, dynamic compile): the layout depends on the window
-        # only, never specialised to the example. One spare block keeps ``n >= 2`` and the
-        # padded length above ``l`` for every size, so no guard asks whether they are equal.
+        # Traced (torch.export, torch.compile): the layout depends on the window only, never
+        # specialised to the length (a block of min(s, l) made one graph per short length
+        # under dynamic compile). One spare block keeps ``n >= 2`` and the padded length
+        # above ``l`` for every size, so no guard asks whether they are equal.
         window, block = window_size, block_size or default_block_size(window_size)
         blocks = (length + 2 * block - 1) // block
     glob = min(num_global_tokens, length)
@@ -225,7 +229,7 @@ def local_attend(
         block_mods, shared,
     )
     out = rearrange(out, "(b n) h s e -> b h (n s) e", b=batch)
-    if isinstance(length, int):
+    if isinstance(length, int) and not torch.compiler.is_compiling():
         out = out[:, :, :length]
     else:  # a gather, not a slice: no guard that the padded length holds l
         out = out.index_select(2, position)
@@ -318,7 +322,7 @@ def _dirty_blocks(
 ) -> Tensor | None:
     """((b n),) indices of the blocks whose key slab reaches past either end of the sequence
     (their mask is not the band's); None when no block's slab lies inside."""
-    first = -(-left // block)  # blocks m >= first start their slab at m·s - w >= 0
+    first = ceil_div(left, block)  # blocks m >= first start their slab at m·s - w >= 0
     stop = (length - block - right) // block + 1  # blocks m < stop end it inside
     if stop <= first:
         return None

@@ -39,6 +39,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn._helpers import exporting
+from mmattn.kernels import _inputs
 from mmattn.kernels import modifiers as _mods
 from mmattn.kernels._scores import dot_scores, group_mask
 from mmattn.kernels.modifiers import Modifiers
@@ -336,7 +337,11 @@ def attend(
     groups: int | None = None,
     modifiers: Modifiers | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Attention on head-split tensors: the fused or the explicit path (unchecked).
+    """Attention on head-split tensors: the fused or the explicit path.
+
+    Checked in O(1) (ranks, head widths, heads, the mask's dtype); batch dimensions and the
+    mask's shape broadcast as in SDPA. The checked public face with full shape checks is
+    :func:`mmattn.functional.scaled_dot_product_attention`.
 
     Args:
         q, k, v: queries, keys, values. ``k`` and ``v`` may have fewer heads than ``q``
@@ -357,6 +362,7 @@ def attend(
         - q: (b, h, i, e); k: (b, k, j, e); v: (b, k, j, e_v)
         - returns: (b, h, i, e_v) and weights (b, h, i, j) or None
     """
+    _inputs.check_attention(q, k, v, mask)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     groups = num_groups(q, k, groups)

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from mmattn import _checks as checks
+
 # the layers import the jagged helpers from here (they live below Tokens and the kernels)
 from mmattn._jagged import (  # noqa: F401
     contiguous_parts,
@@ -41,6 +43,7 @@ from mmattn._jagged import (  # noqa: F401
     jagged,
     owners,
 )
+from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
 
 #: Fixed cost of one attention call (forward + backward, with its gathers and bookkeeping) in
@@ -203,9 +206,21 @@ def jagged_sdpa(
 ) -> Tensor:
     """torch's jagged SDPA (flash / memory-efficient varlen on CUDA) on packed rows.
 
+    Checked in O(1): the row tensors fit together and the offsets are 1-D integer tensors
+    of one length (their values are not read: no device sync).
+
     Shape:
         - q: (t_q, h, e); k: (t_k, k, e); v: (t_k, k, e_v); returns (t_q, h, e_v)
     """
+    _inputs.check_heads(q, k, v, "(t, h, e)")
+    for name, offsets in (("q_offsets", q_offsets), ("k_offsets", k_offsets)):
+        checks.check_integer_dtype(name, offsets, "item offsets")
+        checks.check_rank(name, offsets, (1,), "(b + 1,)")
+    if q_offsets.shape != k_offsets.shape:
+        raise ValueError(
+            f"q_offsets and k_offsets must describe the same items, got {q_offsets.shape[0]} "
+            f"and {k_offsets.shape[0]} offsets"
+        )
     qn, kn, vn = (
         jagged(t, o).transpose(1, 2) for t, o in ((q, q_offsets), (k, k_offsets), (v, k_offsets))
     )

@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from mmattn._checks import check_positive_int
+from mmattn._helpers import ceil_div
 from mmattn.viz._common import PathLike, _array, _draw_heatmap, _figure, _finish, _labels
 
 __all__ = ["attention_heatmap", "head_grid"]
@@ -111,7 +112,7 @@ def head_grid(
     ylabels = _labels(query_labels, i, "query_labels", "query rows")
     xlabels = _labels(key_labels, j, "key_labels", "key columns")
     cols = min(ncols, h)
-    rows = -(-h // cols)
+    rows = ceil_div(h, cols)
     side = max(2.0, 0.22 * max(i, j) + 1.0)
     fig = _figure(side * cols + 0.8, side * rows + 0.4)
     axes = fig.subplots(rows, cols, squeeze=False)

@@ -292,6 +292,43 @@ def test_multimodal_encoder_reindexes_graph_edges(make_graphs):
     torch.testing.assert_close(packed.x.values(), out.x[out.full_mask()], atol=1e-5, rtol=0)
 
 
+def test_multimodal_encoder_carries_the_edge_bias(make_graphs):
+    # MultiModalEncoder re-indexed the parts' edge_index but dropped their edge_bias
+    from mmattn import MultiModalEncoder, Tokens
+
+    class Biased(nn.Module):
+        """GraphNodeSequencer plus a per-edge bias (Graphormer-style edge encodings)."""
+
+        def __init__(self):
+            super().__init__()
+            self.seq = GraphNodeSequencer(4, 8)
+
+        def forward(self, data):
+            tokens = self.seq(data)
+            count = tokens.meta["edge_index"].shape[1]
+            bias = torch.linspace(-3.0, 3.0, count * 2).reshape(count, 2)
+            return tokens.replace(edge_bias=bias)
+
+    from torch_geometric.utils import coalesce
+
+    batch = make_graphs(SIZES)
+    batch.edge_index = coalesce(batch.edge_index)  # a bias needs unique edges
+    encoder = MultiModalEncoder({"graph": Biased(), "plain": GraphNodeSequencer(4, 8)}, 8, 1,
+                                2, attention="edge")
+    inputs = {"graph": batch, "plain": batch}
+    fused = encoder.embed(inputs)
+    parts = {name: encoder.adapters[name](batch) for name in inputs}
+    num_plain = parts["plain"].meta["edge_index"].shape[1]
+    want_bias = torch.cat([parts["graph"].meta["edge_bias"], torch.zeros(num_plain, 2)])
+    torch.testing.assert_close(fused.meta["edge_bias"], want_bias)
+    out = encoder(inputs)
+    without = {key: value for key, value in fused.meta.items() if key != "edge_bias"}
+    unbiased = encoder.encoder(Tokens(fused.x, fused.mask, without))
+    assert not torch.allclose(out.x, unbiased.x)  # the bias reaches the attention
+    block = encoder.encoder.blocks[0]
+    assert block.geometry(fused.meta)["edge_bias"] is fused.meta["edge_bias"]
+
+
 def test_num_hops_is_checked():
     with pytest.raises(ValueError, match="num_hops must be >= 1"):
         GraphNodeSequencer(4, 8, num_hops=0)

@@ -23,12 +23,14 @@ from mmattn import (
     AttentionPool,
     CrossAttention,
     CrossAttentionBlock,
+    EdgeAttention,
     Encoder,
     LinformerAttention,
     LocalAttention,
     MaskedPool,
     MultiHeadAttention,
     MultiModalEncoder,
+    NeighborhoodAttention,
     Tokens,
     TransformerBlock,
 )
@@ -120,8 +122,8 @@ def _tokens(length: int, seed: int) -> tuple[Tokens]:
 # which decide recompilation, do not depend on the backend).
 
 #: Four lengths with a different padding pattern each (seeds differ). LocalAttention's
-#: blocked kernel specialises on L while L is shorter than its query block (32), so its
-#: lengths start above that (docs/performance.md, "Compile").
+#: lengths span more than one query block (32); test_compile_dynamic.py also takes
+#: shorter ones (docs/performance.md, "Compile").
 LENGTHS = (5, 7, 9, 12)
 LOCAL_LENGTHS = (33, 40, 47, 58)
 
@@ -137,6 +139,26 @@ class _KeyPadding(nn.Module):
         if context is None:
             return self.attn(x, key_padding_mask=~real, need_weights=need_weights)
         return self.attn(x, context, key_padding_mask=~real, need_weights=need_weights)
+
+
+class _OnGrid(nn.Module):
+    """Calls NeighborhoodAttention on ``1 + 2 * 3`` tokens (one global token, a 2 x 3 grid)."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x, real, context=None, need_weights=False):
+        return self.attn(x, key_padding_mask=~real, need_weights=need_weights, grid=(2, 3))
+
+
+def _grid_case(batches=(2,)):
+    """NeighborhoodAttention's case: the length is the grid's (7); ``lengths`` are batch
+    sizes (each with its own padding)."""
+    def make(batch, seed):
+        return _x(7, seed, batch=batch), _padding(batch, 7, seed), None, False
+
+    return _OnGrid(NeighborhoodAttention(D, H, 3, num_global_tokens=1)), make, batches
 
 
 # --- aot_eager sweep: every public module compiles with fullgraph and matches eager ---
@@ -162,6 +184,7 @@ def _cases():
     )
     yield "additive", _attention_case(AdditiveAttention(D, H))
     yield "linformer", _attention_case(LinformerAttention(D, H, seq_len=8, proj_len=3))
+    yield "neighborhood", _grid_case()
     yield "block_full", (TransformerBlock(D, H), _tokens, (6,))
     yield "block_local", (TransformerBlock(D, H, attention="local", window_size=2), _tokens,
                           (40,))
@@ -249,3 +272,35 @@ def test_adapters_fullgraph_match_eager(name, case):
 def test_aot_eager_fullgraph_matches_eager(name, case):
     module, make, lengths = case
     _check(module, make, lengths, "aot_eager")
+
+
+# --- EdgeAttention: graph breaks around its data-dependent edge set, equal to eager ------
+
+
+class _OnEdges(nn.Module):
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x, real, edge_index):
+        return self.attn(x, key_padding_mask=~real, edge_index=edge_index)
+
+
+def _edges(length: int, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(600 + seed)
+    edge_index = torch.randint(0, length, (2, 3 * length), generator=gen)
+    edge_index[:, length:] += length  # the second item's edges
+    return _x(length, seed), _padding(2, length, seed), edge_index
+
+
+@pytest.mark.slow  # one capture with breaks: ~10 s here; the explicit twin runs eagerly too
+def test_edge_attention_compiles_and_matches_eager():
+    # dynamo failed inside kernels/segment.py (IndexError at the per-head torch.stack); the
+    # edge set (ids read, duplicates merged, padding dropped) and the sparse kernel now run
+    # eagerly between compiled graphs (torch.compiler.disable): breaks, not a fullgraph
+    module = _OnEdges(EdgeAttention(D, H))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(module, backend=counter)
+    args = _edges(6, 0)
+    _assert_same(_run(module, compiled, args), _run(module, module, args))
+    assert counter.frame_count >= 1  # the projections did compile

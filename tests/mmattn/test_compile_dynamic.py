@@ -8,12 +8,14 @@ that pytest's two workers share the capture work (they take files whole). The ba
 from __future__ import annotations
 
 import pytest
+import torch
 
 import adapters
 from mmattn import (
     AdditiveAttention,
     CrossAttention,
     CrossAttentionBlock,
+    EdgeAttention,
     Encoder,
     LinformerAttention,
     LocalAttention,
@@ -27,12 +29,17 @@ from tests.mmattn.test_compile import (  # noqa: F401 (_fresh_dynamo: an autouse
     LOCAL_LENGTHS,
     D,
     H,
+    _assert_same,
     _attention_case,
     _check,
+    _edges,
     _fresh_dynamo,
+    _grid_case,
     _image_adapter,
     _multimodal_inputs,
+    _OnEdges,
     _padding,
+    _run,
     _tokens,
     _x,
 )
@@ -58,9 +65,12 @@ def _dynamic_cases():
     # the static width (a test artefact, not a recompile of the layer): start at 6 instead
     yield "cross", _attention_case(CrossAttention(D, H, kdim=D, vdim=D), cross=True,
                                    lengths=(6, 8, 10, 13))
+    # short lengths too: a block of min(32, L) made one graph per length below 32
     yield "local_gqa_causal", _attention_case(
-        LocalAttention(D, H, window_size=3, causal=True, num_kv_heads=1), lengths=LOCAL_LENGTHS
+        LocalAttention(D, H, window_size=3, causal=True, num_kv_heads=1),
+        lengths=(9, 17, 33, 65),
     )
+    yield "neighborhood_batches", _grid_case(batches=(2, 3, 5))  # one grid, three batches
     yield "additive", _attention_case(AdditiveAttention(D, H), lengths=LENGTHS)
     yield "linformer", _attention_case(LinformerAttention(D, H, seq_len=16, proj_len=3),
                                        lengths=LENGTHS)
@@ -81,12 +91,13 @@ def _dynamic_cases():
     yield "multimodal", (encoder, _multimodal_inputs, LENGTHS)
 
 
-#: Captures that take 5-70 s each on 2 shared CPU cores (the blocked kernel's, the
-#: multimodal encoder's, the cross-attention and Linformer layers'): they run in the fused
-#: pass only. The explicit pass still captures the MultiHeadAttention, AdditiveAttention and
-#: TransformerBlock cases here and the Encoder (test_blocks_dynamic_true_never_recompile).
-SLOW_DYNAMIC = {"local_gqa_causal", "block_local", "multimodal", "cross", "cross_block",
-                "linformer"}
+#: Captures that take 5-70 s each on 2 shared CPU cores (the blocked and neighbourhood
+#: kernels', the multimodal encoder's, the cross-attention and Linformer layers'): they run
+#: in the fused pass only. The explicit pass still captures the MultiHeadAttention,
+#: AdditiveAttention and TransformerBlock cases here and the Encoder
+#: (test_blocks_dynamic_true_never_recompile).
+SLOW_DYNAMIC = {"local_gqa_causal", "neighborhood_batches", "block_local",
+                "multimodal", "cross", "cross_block", "linformer"}
 
 
 @pytest.mark.parametrize(("name", "case"), [
@@ -98,3 +109,14 @@ def test_dynamic_true_fullgraph_four_lengths_one_capture(name, case):
     module, make, lengths = case
     frames = _check(module, make, lengths, "aot_eager", dynamic=True)
     assert frames[-1] == frames[0], f"recompiled: frames after each length {frames}"
+
+
+@pytest.mark.slow  # captures with breaks (the edge set and the sparse kernel run eagerly)
+def test_edge_attention_dynamic_true_matches_eager():
+    # docs/edge_cases.md: EdgeAttention is in the dynamic=True sweep (not fullgraph: its
+    # data-dependent edge set breaks the graph); sinks take the modified kernel
+    module = _OnEdges(EdgeAttention(D, H, sinks=True))
+    compiled = torch.compile(module, backend="aot_eager", dynamic=True)
+    for length, seed in ((6, 0), (9, 1)):
+        args = _edges(length, seed)
+        _assert_same(_run(module, compiled, args), _run(module, module, args))

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from mmattn import CrossAttention, MultiHeadAttention, Tokens, masks
+from mmattn import CrossAttention, MultiHeadAttention, Tokens, TransformerBlock, masks
 from mmattn import functional as MF
+from mmattn.kernels import dense
 
 E, H = 16, 4
 
@@ -127,6 +128,22 @@ OTHER_CASES = [
     (lambda: masks.to_bool(torch.tensor([0.0, 1.5])), ValueError,
      r"mask must hold only 0 and -inf"),
     (lambda: masks.invert(torch.zeros(3)), TypeError, r"mask must have dtype torch.bool"),
+    # issue 29 (fuzz): a device string torch cannot parse gave torch's RuntimeError, and the
+    # dense kernel took integer or mixed-dtype tensors (silent on an empty batch)
+    (lambda: MultiHeadAttention(E, H, device="nope"), ValueError,
+     r"device must name a device such as 'cpu' or 'cuda:0', got 'nope'"),
+    (lambda: TransformerBlock(E, H, device=3.0), TypeError,
+     r"device must be a torch.device, a device string or None, got float 3.0"),
+    (lambda: masks.neighborhood_mask((2, 2), 1, device="nope"), ValueError,
+     r"device must name a device"),
+    (lambda: masks.band_mask(4, 1, device="nope"), ValueError, r"device must name a device"),
+    (lambda: masks.causal_mask(4, device="cpux"), ValueError, r"device must name a device"),
+    (lambda: dense.attend(q.long(), q, q, None), TypeError,
+     r"q must have a floating-point dtype, got torch.int64"),
+    (lambda: dense.attend(q[:0].long(), q[:0], q[:0], None), TypeError,
+     r"q must have a floating-point dtype"),
+    (lambda: dense.attend(q, q.double(), q, None), TypeError,
+     r"k has dtype torch.float64 but q has dtype torch.float32"),
 ]
 
 

@@ -235,6 +235,20 @@ def test_empty_inputs():
     assert edge(nothing, edge_index=empty)[0].shape == (1, 0, D)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_batch_of_zero_gives_an_empty_result(fused):
+    # einops raised ZeroDivisionError here; every other layer returns (0, L, D)
+    edge = EdgeAttention(D, H, batch_first=False)
+    empty = torch.empty(2, 0, dtype=torch.long)
+    x = torch.randn(3, 0, D, requires_grad=True)  # (L, B, D), B = 0
+    with fused_attn(fused):
+        out, weights = edge(x, edge_index=empty, need_weights=True)
+        out.sum().backward()
+    assert out.shape == (3, 0, D) and weights.shape == (0, 3, 3) and x.grad.shape == x.shape
+    want = MultiHeadAttention(D, H, batch_first=False)(x, x, x)[0]
+    assert out.shape == want.shape
+
+
 def test_dropout_on_probabilities():
     x, mask, edge_index = graph_batch()
     edge = EdgeAttention(D, H, dropout=0.5, dtype=x.dtype)
@@ -330,6 +344,14 @@ def test_bad_input_names_the_problem():
             edge(x, key_padding_mask=~mask, **kwargs)
     with pytest.raises(ValueError, match="no cache"):
         edge.make_cache(1, 4)
+
+
+@pytest.mark.parametrize("flag", ["no", None, 1, torch.tensor(True)])
+def test_add_self_loops_must_be_a_bool(flag):
+    # "no" was taken as True and None as False
+    name = type(flag).__name__
+    with pytest.raises(TypeError, match=f"add_self_loops must be a bool, got {name}"):
+        EdgeAttention(D, H, add_self_loops=flag)
 
 
 def test_registry_and_repr():

@@ -108,6 +108,8 @@ def test_bad_inputs():
         LinformerAttention(8, 2, 6.0, 3)
     with pytest.raises(ValueError, match="proj_len must be >= 1"):
         LinformerAttention(8, 2, 6, 0)
+    with pytest.raises(TypeError, match=r"share_kv must be a bool, got str"):
+        LinformerAttention(8, 2, 6, 3, share_kv="no")
     lin = LinformerAttention(8, 2, 6, 3)
     with pytest.raises(ValueError, match="key length must be <= seq_len=6"):
         lin(torch.randn(2, 7, 8))

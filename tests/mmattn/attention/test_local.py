@@ -255,6 +255,7 @@ def test_extra_repr_and_reset_parameters():
         ({"window_size": 2, "num_global_tokens": -1}, ValueError, "num_global_tokens"),
         ({"window_size": 2, "block_size": 0}, ValueError, "block_size must be >= 1"),
         ({"window_size": 2, "dropout": 1.5}, ValueError, "dropout"),
+        ({"window_size": 2, "causal": "no"}, TypeError, r"causal must be a bool, got str"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, error, match):

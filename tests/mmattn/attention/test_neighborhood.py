@@ -9,6 +9,8 @@ within 1e-5, on the fused and the explicit path.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -210,6 +212,10 @@ def test_forward_errors():
         nbhd(x, grid=[(4, 5)] * 3)
     with pytest.raises(ValueError, match="grid must be given"):
         nbhd(x)
+    with pytest.raises(TypeError, match=r"grid\[0\] must be an int, got float \(2.5\)"):
+        nbhd(torch.randn(2, 17, D), grid=(2.5, 8))  # not rounded to (2, 8)
+    with pytest.raises(TypeError, match=r"grid\[1\]\[0\] must be an int, got bool"):
+        nbhd(torch.randn(2, 17, D), grid=[(2, 8), (True, 16)])
     with pytest.raises(ValueError, match=r"grid \(5, 5\) of item 1 .* or more, got 21"):
         nbhd(x, grid=[(4, 5), (5, 5)])
     with pytest.raises(ValueError, match="key of the same length"):
@@ -304,3 +310,48 @@ def test_multimodal_encoder_other_modalities_are_global():
     want = fused.x + dense(h, attn_mask=~allowed)[0]
     want = encoder.encoder.norm(want + block.mlp(block.norm2(want)))
     torch.testing.assert_close(out.x, want, **TOL)
+
+
+def test_one_module_serves_threads_with_different_grids():
+    # the call's grid lived on the module (_call_geometry): a call in another thread
+    # replaced it mid-forward ("cannot unpack non-iterable NoneType", "index 16 is out of
+    # bounds", or silently the other grid's windows). The first thread pauses inside its
+    # forward (in the position hook, between the checks and the kernel) while a second
+    # thread runs a whole call with another grid.
+    paused, resume = threading.Event(), threading.Event()
+
+    def position(t, offset):
+        if threading.current_thread().name == "paused" and not paused.is_set():
+            paused.set()
+            assert resume.wait(30)
+        return t
+
+    nbhd = NeighborhoodAttention(D, H, 3, position=position).eval()
+    gen = torch.Generator().manual_seed(0)
+    x_a, x_b, x_c = (torch.randn(2, n, D, generator=gen) for n in (16, 16, 15))
+    with torch.no_grad():
+        paused.set()  # the references: no pause
+        want_a, want_b, want_c = (nbhd(x, grid=g)[0] for x, g in
+                                  ((x_a, (4, 4)), (x_b, (2, 8)), (x_c, (3, 5))))
+        paused.clear()
+    results, errors = {}, []
+
+    def first():
+        try:
+            with torch.no_grad():
+                results["a"] = nbhd(x_a, grid=(4, 4))[0]
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(f"{type(error).__name__}: {error}")
+
+    thread = threading.Thread(target=first, name="paused")
+    thread.start()
+    assert paused.wait(30)
+    with torch.no_grad():  # while the first call waits inside its forward
+        got_b, got_c = nbhd(x_b, grid=(2, 8))[0], nbhd(x_c, grid=(3, 5))[0]
+    resume.set()
+    thread.join(30)
+    assert not errors, errors
+    torch.testing.assert_close(results["a"], want_a)
+    torch.testing.assert_close(got_b, want_b)
+    torch.testing.assert_close(got_c, want_c)
+    assert not [name for name in vars(nbhd) if "geometry" in name or "grid" in name]

@@ -130,6 +130,8 @@ def test_transformer_block_errors():
         TransformerBlock(16, 2, attention="sparse")
     with pytest.raises(ValueError, match="window_size must be given for attention='local'"):
         TransformerBlock(16, 2, attention="local")
+    with pytest.raises(TypeError, match=r"causal must be a bool, got NoneType"):
+        TransformerBlock(16, 2, causal=None)
     with pytest.raises(ValueError, match="window_size is not an argument of attention='full'"):
         TransformerBlock(16, 2, window_size=3)
     with pytest.raises(ValueError, match="mlp_ratio"):

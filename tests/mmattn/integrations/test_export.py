@@ -218,7 +218,7 @@ def _neighborhood_export(kwargs, shapes):
          "dynamic batch only: the length is fixed by the grid"),
         ({"grid": [(5, 6)] * 3}, {"query": {0: Dim("b")}, "grid": [(None, None)] * 3},
          "per-item grids do not export"),
-        ({"grid": [(5, 6)] * 3}, None, "not per-item lists"),
+        ({"grid": [(5, 6)] * 3}, None, "per-item grids do not export"),
         ({"grid": (5, 6), "need_weights": True}, None, "does not export need_weights=True"),
     ],
     ids=["dynamic_length", "grid_list", "grid_list_static", "need_weights"],

@@ -6,6 +6,10 @@ encoders and adapters. Skipped without the ``onnx`` extra.
 
 from __future__ import annotations
 
+import math
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +19,7 @@ from tests.mmattn.integrations._export_cases import CASES, SIZES
 onnx_checks.skip_without_onnx()
 
 from mmattn import MultiHeadAttention  # noqa: E402
+from mmattn._helpers import ceil_div  # noqa: E402
 from mmattn.integrations.export import DecodeStep  # noqa: E402
 
 # ONNX Runtime round trips: seconds each, so the explicit pass of `make test`
@@ -72,3 +77,34 @@ def test_onnx_decode_step_reproduces_eager_decoding(decoder, opset):
         out, *state = onnx_checks.run(sess, [x, *state])
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     assert int(state[2]) == len(cache) == STEPS
+
+
+class _Blocks(torch.nn.Module):
+    """ceil(L / 4) blocks of a dynamic length, as the blocked kernels count them."""
+
+    def forward(self, x):
+        return torch.arange(ceil_div(x.shape[1], 4), dtype=x.dtype) + 0.0 * x.sum()
+
+
+def test_ceil_div_exports_as_a_ceiling():
+    # torch.onnx lowers -(-a // b) to ONNX's truncating Div: ONNX Runtime then gives
+    # floor(a / b), e.g. 2 blocks for a length of 9 (the kernels need 3)
+    length = torch.export.Dim("length", min=5, max=64)
+    program = torch.export.export(_Blocks(), (torch.randn(2, 9),),
+                                  dynamic_shapes=({1: length},))
+    sess = onnx_checks.session(onnx_checks.to_onnx(program, None))
+    for size in (8, 9, 13, 33):  # ceil and floor differ at all but 8
+        (out,) = onnx_checks.run(sess, [torch.randn(2, size)])
+        assert out.shape == (math.ceil(size / 4),), size
+
+
+def test_no_negative_floor_division_left():
+    pattern = re.compile(r"-\s*\(\s*-[^()]*//|//\s*-")  # -(-a // b), a // -b
+    root = Path(__file__).resolve().parents[3]
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for folder in ("mmattn", "adapters") for path in sorted((root / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line.split("#")[0]) and "``" not in line
+    ]
+    assert not found, f"use mmattn._helpers.ceil_div instead of a negative floor division: {found}"

@@ -8,15 +8,17 @@ The mask is held to a naive loop over NATTEN's definition (subgrids, clamped win
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from mmattn.functional import fused_attn
-from mmattn.kernels._neighborhood_plan import build_plan
 from mmattn.kernels.dense import attend
 from mmattn.kernels.neighborhood import (
+    build_plan,
     choose_tiles,
     neighborhood_attend,
     neighborhood_rows,
@@ -67,12 +69,25 @@ def test_mask_matches_naive_definition(case):
     ({"grid": (4, 4), "kernel_size": 3, "dilation": 0}, ValueError, r"dilation\[0\] must be >= 1"),
     ({"grid": (0, 4), "kernel_size": 3}, ValueError, r"grid\[0\] must be >= 1"),
     ({"grid": 4, "kernel_size": 3}, TypeError, "grid must be a .rows, cols. pair"),
+    # sides are checked, never coerced: 2.5 is not rounded to 2, True is not taken as 1
+    ({"grid": (2.5, 4), "kernel_size": 3}, TypeError, r"grid\[0\] must be an int, got float"),
+    ({"grid": (4, 2.0), "kernel_size": 3}, TypeError, r"grid\[1\] must be an int, got float"),
+    ({"grid": (True, 4), "kernel_size": 3}, TypeError, r"grid\[0\] must be an int, got bool"),
+    ({"grid": torch.tensor([2.0, 4.0]), "kernel_size": 3}, TypeError,
+     "grid must be a .rows, cols. pair of ints, got a tensor .* torch.float32"),
     ({"grid": (4, 4), "kernel_size": 3, "num_global_tokens": -1}, ValueError,
      "num_global_tokens must be >= 0"),
 ])
 def test_mask_named_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         neighborhood_mask(**kwargs)
+
+
+def test_mask_takes_integer_sides_of_any_integer_type():
+    want = neighborhood_mask((3, 4), 3)
+    for grid in (torch.tensor([3, 4]), (torch.tensor(3), torch.tensor(4)),
+                 (np.int64(3), np.int32(4))):
+        assert torch.equal(neighborhood_mask(grid, 3), want)
 
 
 def test_every_query_sees_the_same_number_of_keys():
@@ -270,3 +285,148 @@ def test_device(device):
     allowed = neighborhood_mask((12, 10), 5, dilation=(2, 1), device=device)
     want, _ = attend(q, k, v, allowed)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_public_entry_points_refuse_what_they_cannot_run():
+    # a grid larger than the item read the next item's rows (or past the end); a plan for
+    # another number of rows, or items beyond their rows, went unchecked
+    q, k, v = _qkv(2, 4, 2, 16)
+    bad = [
+        (dict(grid=(5, 5)), ValueError, r"grid \(5, 5\) has rows \* cols = 25 tokens.*got 16"),
+        (dict(grid=(4, 4.0)), TypeError, r"grid\[1\] must be an int, got float"),
+        (dict(grid=[(4, 4)]), ValueError, "grid must hold one .rows, cols. per item: expected 2"),
+        (dict(kernel_size=2), ValueError, "kernel_size must be odd"),
+        (dict(dilation=0), ValueError, r"dilation\[0\] must be >= 1"),
+        (dict(k=k[..., :4], v=v[..., :4]), ValueError, "q and k must have the same head width"),
+        (dict(k=k[:, :, :9], v=v[:, :, :9]), ValueError, "q and k must have the same length"),
+        (dict(v=v[:1]), ValueError, "k and v must have the same rows and heads"),
+        (dict(key_mask=torch.ones(2, 15, dtype=torch.bool)), ValueError, "key_mask must have"),
+        (dict(key_mask=torch.ones(2, 16, dtype=torch.long)), TypeError, "key_mask must have"),
+        (dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    ]
+    for change, error, match in bad:
+        args = dict(q=q, k=k, v=v, grid=(4, 4), kernel_size=3) | change
+        with pytest.raises(error, match=match):
+            neighborhood_attend(**args)
+    rows = [t.transpose(1, 2).reshape(32, t.shape[1], 8) for t in (q, k, v)]
+    items = packed_items([16, 16], (4, 4))
+    plan = build_plan(32, items, (3, 3), (1, 1), (4, 4), "cpu")
+    with pytest.raises(ValueError, match="plan was built for 32 rows on cpu, got 31 rows"):
+        neighborhood_rows(*(t[:31] for t in rows), plan)
+    with pytest.raises(ValueError, match=r"items\[1\] has a grid \(4, 5\) starting at 0: it "
+                                         r"needs 20 rows, got length 16"):
+        build_plan(32, packed_items([16, 16], [(4, 4), (4, 5)]), (3, 3), (1, 1), (4, 4), "cpu")
+    with pytest.raises(ValueError, match=r"items\[1\] covers rows \[16, 32\), which must lie in "
+                                         r"\[16, total=20\)"):
+        build_plan(20, items, (3, 3), (1, 1), (4, 4), "cpu")
+
+
+def test_one_plan_per_grid_shared_by_the_batch_and_a_cache_bounded_in_bytes():
+    # the plan was keyed on batch x length and copied the windows once per item; its cache
+    # held 32 entries whatever their size (B=8, 56², k=7: ~25 MB each)
+    from mmattn.kernels import _neighborhood_plan as plans
+
+    plans.CACHE.clear()
+    for batch in (1, 3, 8):
+        q, k, v = _qkv(batch, 2, 2, 9 * 7)
+        with fused_attn(False):  # no tile mask either
+            neighborhood_attend(q, k, v, (9, 7), (3, 3))
+    assert len(plans.CACHE) == 1  # one plan: the grid's, whatever the batch
+    (plan, _), = plans.CACHE._entries.values()
+    assert plan.pick.shape == (9 * 7,)  # one item's rows, not batch x length
+    cache = plans.ByteCache(100)
+    for m in range(5):
+        cache.put(m, f"value {m}", 40)
+    assert len(cache) == 2 and cache.nbytes == 80 and cache.get(0) is None
+    assert cache.get(4) == "value 4"
+    assert cache.put("big", "too big", 101) == "too big" and cache.get("big") is None
+    with fused_attn(True):
+        for batch in (1, 2):
+            neighborhood_attend(*_qkv(batch, 2, 2, 9 * 7), (9, 7), (3, 3))
+    assert plans.CACHE.nbytes <= plans.CACHE.limit and len(plans.CACHE) == 3  # + two masks
+
+
+def test_every_plan_field_is_read():
+    # issue 29, item 11: Plan.has_dead and Plan.tiles were built for every plan and never read
+    import pathlib
+    import re
+
+    from mmattn.kernels._neighborhood_plan import Plan
+
+    root = pathlib.Path(__file__).parents[3] / "mmattn"
+    source = "\n".join(p.read_text() for p in root.rglob("*.py"))
+    unread = [f for f in Plan._fields if not re.search(rf"\.{f}\b(?!\s*=[^=])", source)]
+    assert not unread, f"Plan fields never read: {unread}"
+
+
+def test_eager_packed_and_exported_calls_share_one_tile_runner(monkeypatch):
+    # issue 29, item 11: the export path had its own copy of neighborhood_rows
+    # (_neighborhood_export.export_attend); every path now runs _neighborhood.run_tiles
+    from mmattn.kernels import _neighborhood
+    from mmattn.kernels import neighborhood as kernel
+
+    calls, run = [], _neighborhood.run_tiles
+    counted = lambda *a, **kw: calls.append(1) or run(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(_neighborhood, "run_tiles", counted)
+    monkeypatch.setattr(kernel, "run_tiles", counted)
+    q, k, v = _qkv(2, 2, 2, 12)
+    key_mask = torch.ones(2, 12, dtype=torch.bool)
+    key_mask[0, -2:] = False
+    eager = neighborhood_attend(q, k, v, (3, 4), 3, key_mask=key_mask)[0]
+    rows = [t.transpose(1, 2).reshape(24, 2, 8) for t in (q, k, v)]
+    items = packed_items([12, 12], (3, 4))
+    plan = build_plan(24, items, (3, 3), (1, 1), choose_tiles(items, (3, 3), (1, 1)), "cpu")
+    neighborhood_rows(*rows, plan, key_mask=key_mask.reshape(-1))
+    monkeypatch.setattr(_neighborhood, "exporting", lambda: True)
+    monkeypatch.setattr(kernel, "exporting", lambda: True)
+    exported = neighborhood_attend(q, k, v, (3, 4), 3, key_mask=key_mask)[0]
+    torch.testing.assert_close(exported, eager)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_modifiers_and_table_equal_a_float64_loop(fused):
+    # the kernel's own modifiers= / table= (the layer's are in attention/test_modifiers_geometry)
+    from mmattn.kernels.modifiers import Modifiers
+
+    grid, kernel, dilation, glob, heads = (4, 5), (3, 3), (1, 2), 1, 2
+    length = glob + grid[0] * grid[1]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, heads, length, 4, generator=gen, dtype=torch.float64)
+               for _ in range(3))
+    table = torch.randn(25, heads, generator=gen, dtype=torch.float64)
+    mods = Modifiers(sinks=torch.tensor([0.5, -1.0], dtype=torch.float64),
+                     slopes=torch.tensor([0.25, 0.5], dtype=torch.float64))
+    with fused_attn(fused):
+        out, _ = neighborhood_attend(q, k, v, grid, kernel, dilation=dilation,
+                                     num_global_tokens=glob, modifiers=mods, table=table)
+    allowed = naive_mask(grid, kernel, dilation, glob)
+    want = torch.zeros_like(out)
+    for b, h, i in itertools.product(range(2), range(heads), range(length)):
+        scores = []
+        for j in range(length):
+            s = float(q[b, h, i] @ k[b, h, j]) / 2.0
+            if i >= glob and j >= glob:  # both on the grid: ALiBi in cells, the table
+                (r, c), (r2, c2) = divmod(i - glob, grid[1]), divmod(j - glob, grid[1])
+                s -= float(mods.slopes[h]) * math.hypot(r - r2, c - c2)
+                dr, dc = (r - r2) // dilation[0], (c - c2) // dilation[1]
+                if allowed[i, j]:
+                    s += float(table[(dr + 2) * 5 + (dc + 2), h])
+            scores.append(s if allowed[i, j] else -math.inf)
+        p = torch.tensor(scores + [float(mods.sinks[h])], dtype=torch.float64).softmax(0)
+        want[b, h, i] = p[:-1] @ v[b, h]
+    torch.testing.assert_close(out, want)
+
+
+def test_bad_modifiers_and_table_raise_naming_them():
+    from mmattn.kernels.modifiers import Modifiers
+
+    q, k, v = _qkv(1, 2, 2, 12)
+    with pytest.raises(TypeError, match="modifiers must be a mmattn.kernels.modifiers"):
+        neighborhood_attend(q, k, v, (3, 4), 3, modifiers={"sinks": None})
+    with pytest.raises(ValueError, match=r"modifiers.sinks must have shape \(2,\)"):
+        neighborhood_attend(q, k, v, (3, 4), 3, modifiers=Modifiers(sinks=torch.zeros(3)))
+    with pytest.raises(ValueError, match=r"table must have shape \(25, 2\)"):
+        neighborhood_attend(q, k, v, (3, 4), 3, table=torch.zeros(9, 2))
+    with pytest.raises(TypeError, match="table must be a floating tensor"):
+        neighborhood_attend(q, k, v, (3, 4), 3, table=torch.zeros(25, 2, dtype=torch.long))

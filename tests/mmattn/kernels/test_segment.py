@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from mmattn.functional import fused_attn
-from mmattn.kernels import segment
-from mmattn.kernels.segment import EdgeAttend, edge_attend, edge_attend_explicit, edge_set
+from mmattn.kernels import _segment
+from mmattn.kernels._segment import EdgeAttend
+from mmattn.kernels.segment import edge_attend, edge_attend_explicit, edge_set
 from mmattn.masks import k_hop_edges
 
 
@@ -100,7 +101,7 @@ def test_dropout_keeps_the_mask_for_backward():
     qr, kr, vr, br = ref_inputs
     kr, vr = (t.repeat_interleave(groups, dim=1) for t in (kr, vr))
     scores = (qr[dst] * kr[src]).sum(-1) * 0.5 + br
-    weights = segment._segment_softmax(scores, dst, q.shape[0]) * keep / 0.6
+    weights = _segment.segment_softmax(scores, dst, q.shape[0]) * keep / 0.6
     want = torch.zeros_like(out).index_add(0, dst, weights[..., None] * vr[src])
     torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
     for a, b in zip(torch.autograd.grad(out.sum(), inputs),
@@ -127,6 +128,70 @@ def test_all_minus_inf_scores_give_zeros():
         assert (out == 0).all()
         (grad,) = torch.autograd.grad(out.sum(), qi)
         assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_edges_in_any_order_equal_the_loop(fused):
+    # the fused path built its CSR rows from the order given: unsorted edges were off by ~2
+    q, k, v, src, dst, bias = random_problem(kv_heads=2)
+    order = torch.randperm(src.shape[0], generator=torch.Generator().manual_seed(5))
+    src, dst, bias = src[order], dst[order], bias[order]
+    src, dst = torch.cat([src, src[:3]]), torch.cat([dst, dst[:3]])  # repeats count twice
+    bias = torch.cat([bias, bias[:3]])
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    with fused_attn(fused):
+        got, _ = edge_attend(*inputs[:3], src.int(), dst.int(), bias=inputs[3])
+    want_inputs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    want = naive(*want_inputs[:3], src, dst, want_inputs[3])
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    weight = torch.randn(got.shape, dtype=got.dtype)
+    for a, b in zip(torch.autograd.grad((got * weight).sum(), inputs),
+                    torch.autograd.grad((want * weight).sum(), want_inputs)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    _, weights = edge_attend(q, k, v, src, dst, bias=bias, need_weights=True)
+    _, sorted_weights = edge_attend_explicit(q, k, v, src, dst, bias=bias)
+    torch.testing.assert_close(weights, sorted_weights)  # in the order of the edges given
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_public_entry_points_refuse_what_they_cannot_run(fused):
+    # an out-of-range source was read outside the key rows on the fused path (garbage, no
+    # error); an out-of-range target gave torch's expand error
+    q, k, v, src, dst, bias = random_problem()  # n = 9 queries, m = 7 keys, 4 / 2 heads
+    bad = [
+        (dict(src=torch.tensor([7]), dst=torch.tensor([0])), ValueError,
+         r"src \(key rows\) must lie in \[0, number of key rows=7\), got values in \[7, 7\]"),
+        (dict(src=torch.tensor([-1]), dst=torch.tensor([0])), ValueError, r"src .* \[-1, -1\]"),
+        (dict(src=torch.tensor([0]), dst=torch.tensor([9])), ValueError,
+         r"dst \(query rows\) must lie in \[0, number of query rows=9\)"),
+        (dict(src=torch.tensor([0, 1]), dst=torch.tensor([0])), ValueError,
+         "src and dst must hold one id per edge, got 2 and 1"),
+        (dict(src=torch.tensor([0.0]), dst=torch.tensor([0])), TypeError,
+         "src must have an integer dtype"),
+        (dict(src=torch.zeros(1, 1, dtype=torch.long), dst=torch.tensor([0])), ValueError,
+         "src must be a 1-D tensor"),
+        (dict(k=k[..., :2]), ValueError, "q and k must have the same head width"),
+        (dict(v=v[:3]), ValueError, "k and v must have the same rows and heads"),
+        (dict(k=k[:, :1].expand(-1, 3, -1).contiguous(), v=v[:, :1].expand(-1, 3, -1)),
+         ValueError, r"key/value heads must divide the query heads .*, got 4 query heads and 3"),
+        (dict(k=k.float()), TypeError, "k has dtype torch.float32 but q has dtype torch.float64"),
+        (dict(q=q[0]), ValueError, r"q must be a 3-D tensor \(n, h, e\)"),
+        (dict(bias=bias[:, :2]), ValueError, r"bias must have shape \(.*, 4\)"),
+        (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
+        (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+    ]
+    for change, error, match in bad:
+        args = dict(q=q, k=k, v=v, src=src, dst=dst, bias=bias)
+        if "src" in change:
+            args["bias"] = None
+        args.update(change)
+        for fn in (edge_attend, edge_attend_explicit):
+            with fused_attn(fused), pytest.raises(error, match=match):
+                fn(**args)
+    with pytest.raises(ValueError, match=r"src \(key rows\) must lie in \[0, number of key"):
+        edge_set(torch.tensor([3]), torch.tensor([0]), 3)
+    with pytest.raises(ValueError, match=r"loops\[0\] \(key rows\) must lie"):
+        edge_set(src, dst, 7, loops=(torch.arange(9), torch.arange(9)))
 
 
 def test_edge_set_dedups_sorts_and_adds_loops():
@@ -184,3 +249,19 @@ def test_k_hop_edges_errors():
         k_hop_edges(torch.tensor([[0], [2]]), 1, 2)
     with pytest.raises(ValueError, match=r"shape \(2, num_edges\)"):
         k_hop_edges(torch.zeros(3, 1, dtype=torch.long), 1)
+
+
+def test_both_paths_share_one_segment_softmax(monkeypatch):
+    # issue 29, item 11: the fused and the explicit path each had their own segment softmax
+    # (_segment_softmax, _softmax_rows); both now call _segment.segment_softmax
+    calls = []
+    softmax = _segment.segment_softmax
+    monkeypatch.setattr(_segment, "segment_softmax",
+                        lambda *a, **kw: calls.append(kw.get("dim", 0)) or softmax(*a, **kw))
+    q, k, v = (torch.randn(4, 2, 3) for _ in range(3))
+    src, dst = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 0, 1, 3])
+    with fused_attn(True):
+        fused = edge_attend(q, k, v, src, dst)[0]
+    explicit = edge_attend_explicit(q, k, v, src, dst)[0]
+    torch.testing.assert_close(fused, explicit)
+    assert sorted(set(calls)) == [0, 1]  # the explicit path along edges, the fused along heads
