@@ -341,7 +341,8 @@ class NeighborhoodAttention(MultiHeadAttention):
             if reporting():  # packed rows (the kernel reports the padded form itself)
                 report("neighborhood", explicit_reasons(need_weights, mods), q=q, k=k, v=v,
                        mask=None, dropout_p=dropout_p, plan=plan, modifiers=mods,
-                       position_bias=table)
+                       position_bias=table,
+                       items=items, kernel_size=self.kernel_size, dilation=self.dilation)
             out, weights = neighborhood_rows(
                 q, k, v, plan, dropout_p=dropout_p, need_weights=need_weights, modifiers=mods,
                 table=table,

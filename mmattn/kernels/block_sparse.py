@@ -290,8 +290,8 @@ def attend(
     if _dense.reporting():
         _dense.report(
             "block-sparse", _dense.explicit_reasons(need_weights, mods), q=q, k=k, v=v,
-            mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            density=plan.density, block=s, groups=groups, modifiers=mods,
+            mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale, key_mask=key_mask,
+            density=plan.density, block=s, groups=groups, modifiers=mods, plan=plan,
         )
     key_ok, key_add = _key_rows(key_mask, padded)
     q2, k2, v2 = _rows(q, padded), _rows(k, padded), _rows(v, padded)
