@@ -29,6 +29,7 @@ from mmattn.attention.mha import MultiHeadAttention
 from mmattn.debug import _mass_views as views
 from mmattn.debug._mass_groups import Layout, token_groups
 from mmattn.debug._mass_tally import Tally, Unsupported
+from mmattn.debug._mass_terms import neighborhood_terms
 from mmattn.tokens import Tokens
 
 
@@ -202,7 +203,8 @@ class Session:
             slots = self._slots(record, call, record["inputs"][0])
             return "rows", views.band_tiles(record, slots)
         if (record.get("modifiers") or record.get("position_bias") is not None) and (
-            path not in ("local", "fused", "explicit", "chunked", "packed")
+            path not in ("local", "fused", "explicit", "chunked", "packed", "neighborhood",
+                         "block-sparse", "edge", "edge-explicit")
         ):
             raise Unsupported(f"score modifiers on the {path!r} kernel are not applied by "
                               "attention_mass")
@@ -216,7 +218,7 @@ class Session:
             return "rows", views.sparse_tiles(record)
         if path in ("edge", "edge-explicit") and "src" in record:
             w = views.edge_weights(q, k, record["src"], record["dst"], record.get("bias"),
-                                   record.get("scale"))
+                                   record.get("scale"), **views.modifiers_of(record))
             return "edges", iter([(w, record["dst"], record["src"])])
         if path == "packed" and record.get("kernel") == "jagged-sdpa":
             return "rows", self._jagged(record, call)
@@ -235,7 +237,7 @@ class Session:
         from mmattn.kernels.neighborhood import build_plan, choose_tiles, padded_items
 
         q, k, key_mask = record["q"], record["k"], record.get("mask")
-        plan = record.get("plan")
+        plan, items = record.get("plan"), record.get("items")
         if plan is None:  # the padded form: a plan over every item of the batch
             batch, _, length, _ = q.shape
             kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
@@ -246,7 +248,8 @@ class Session:
             plan = build_plan(batch * length, items, kernel, dilation, tiles, q.device)
             q, k = (rearrange(t, "b h l e -> (b l) h e") for t in (q, k))
             key_mask = None if key_mask is None else key_mask.reshape(-1)
-        return views.plan_tiles(q, k, key_mask, plan, scale=record.get("scale"))
+        return views.plan_tiles(q, k, key_mask, plan, scale=record.get("scale"),
+                                **neighborhood_terms(record, items, q.shape[0], q))
 
     def _jagged(self, record: dict, call: Call) -> Iterator:
         starts, lengths = call.layout.offsets[:-1], call.layout.lengths

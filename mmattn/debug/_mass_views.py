@@ -25,9 +25,10 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mmattn.kernels.block_sparse import alibi_term
+
 #: At most this many scores in one tile (blocks of rows are cut to fit).
 TILE_ELEMENTS = 1 << 22
-
 
 
 class Tile(NamedTuple):
@@ -36,8 +37,8 @@ class Tile(NamedTuple):
     ``allowed`` (bool, True = may attend) and ``bias`` (added) broadcast to (n, h, r, j);
     ``score_weight`` is set for additive (Bahdanau) scores instead of ``q kᵀ · scale``;
     ``softcap`` caps the scores before the mask (``c · tanh(s / c)``) and ``sinks`` (h,) join
-    every row's softmax as a key of score ``σ_h`` whose weight is dropped (ALiBi, additive,
-    is in ``bias`` already: the kernels report their mask with it).
+    every row's softmax as a key of score ``σ_h`` whose weight is dropped (ALiBi and other
+    additive terms are in ``bias``).
     """
 
     q: Tensor
@@ -54,7 +55,7 @@ class Tile(NamedTuple):
 
 def modifiers_of(record: dict) -> dict:
     """The softcap and sinks a kernel report carries (its ``modifiers`` fact), as Tile
-    fields; ALiBi is folded into the reported mask by the kernels."""
+    fields; ALiBi is a view's ``bias`` (the dense kernels report their mask with it)."""
     mods = record.get("modifiers")
     if not mods:
         return {}
@@ -300,9 +301,12 @@ def _global_alibi(mods, glob: int, length: int, q: Tensor) -> Tensor | None:
 
 
 def plan_tiles(
-    q: Tensor, k: Tensor, key_mask: Tensor | None, plan, *, scale: float | None,
+    q: Tensor, k: Tensor, key_mask: Tensor | None, plan, *, scale: float | None, term=None,
+    softcap: float | None = None, sinks: Tensor | None = None,
 ) -> Iterator[Tile]:
-    """The tiles of a neighbourhood plan on flat rows; token ids are the rows.
+    """The tiles of a neighbourhood plan on flat rows; token ids are the rows. ``term``
+    (query rows (n, s), key rows (n, t)) -> (n, h, s, t) or None: the tiles' additive term
+    (grid ALiBi, the table; global rows get none), evaluated chunk by chunk.
 
     Shape:
         - q: (t, h, e); k: (t, k, e); key_mask: (t,) bool or float, or None
@@ -324,19 +328,22 @@ def plan_tiles(
         qi = plan.q_index[n0 * s:n1 * s]
         ki = plan.k_index[n0 * t:n1 * t]
         ok, bias = _key_rule(plan.allowed[n0:n1][:, None], km, ki, t)
+        extra = None if term is None else term(qi.view(n1 - n0, s), ki.view(n1 - n0, t))
+        bias = extra if bias is None else bias if extra is None else bias + extra
         slot_id = torch.arange(n0 * s, n1 * s, device=q.device)
         picked = (qi < zero) & (pick[qi] == slot_id)  # a row answered by its first tile
         yield Tile(rearrange(qz[qi], "(n s) h e -> n h s e", s=s),
                    rearrange(kz[ki], "(n t) k e -> n k t e", t=t), ok, bias, scale,
                    torch.where(picked, qi, -1).view(n1 - n0, s),
-                   torch.where(ki < zero, ki, -1).view(n1 - n0, t))
+                   torch.where(ki < zero, ki, -1).view(n1 - n0, t), softcap=softcap, sinks=sinks)
     for b in range(plan.gq_index.shape[0]):  # global rows attend every key of their item
         gq, gk = plan.gq_index[b:b + 1], plan.gk_index[b:b + 1]
         valid = plan.gk_valid[b:b + 1]
         ok, bias = _key_rule(valid[:, None, None], km, gk.reshape(-1), gk.shape[1])
         yield Tile(rearrange(qz[gq], "n g h e -> n h g e"),
                    rearrange(kz[gk], "n j k e -> n k j e"), ok, bias, scale,
-                   torch.where(gq < zero, gq, -1), torch.where(valid, gk, -1))
+                   torch.where(gq < zero, gq, -1), torch.where(valid, gk, -1), softcap=softcap,
+                   sinks=sinks)
 
 
 def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
@@ -352,7 +359,8 @@ def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
 
 def sparse_tiles(record: dict) -> Iterator[Tile]:
     """A block-sparse call's buckets: query tiles against their non-empty key tiles, with
-    the tiles' exact masks, the call's key mask and causal rule; token ids ``b·L + i``.
+    the tiles' exact masks, the call's key mask and causal rule, its modifiers (ALiBi on
+    each item's token index, as the kernel's :func:`alibi_term`); token ids ``b·L + i``.
 
     Shape:
         - q: (b, h, l, e); k: (b, k, l, e); key_mask: (b, l) bool or float, or None
@@ -386,6 +394,8 @@ def sparse_tiles(record: dict) -> Iterator[Tile]:
         if record.get("is_causal"):
             allowed = allowed & ((k_rows % padded).view(tiles, 1, 1, -1)
                                  <= (q_rows % padded).view(tiles, 1, -1, 1))
+        alibi = alibi_term(bucket, record.get("modifiers"), padded, _acc(q))
+        bias = alibi if bias is None else bias if alibi is None else bias + alibi
         yield from chunks(Tile(
             rearrange(q2[q_rows], "(n s) h e -> n h s e", s=s),
             rearrange(k2[k_rows], "(n t) k e -> n k t e", n=tiles), allowed, bias, scale,
@@ -398,8 +408,10 @@ def sparse_tiles(record: dict) -> Iterator[Tile]:
 
 def edge_weights(
     q: Tensor, k: Tensor, src: Tensor, dst: Tensor, bias: Tensor | None, scale: float | None,
+    softcap: float | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
-    """The (E, h) weights of attention along edges: a softmax over each query's edges.
+    """The (E, h) weights of attention along edges: a softmax over each query's edges (the
+    scores capped before the bias; a sink logit per head in every query's sum, left out).
 
     Shape:
         - q: (t_q, h, e); k: (t_k, k, e); src, dst: (E,); bias: (E, h)
@@ -415,13 +427,16 @@ def edge_weights(
         qs = q[dst[e0:e0 + step]].to(acc)
         ks = k[src[e0:e0 + step]].to(acc).repeat_interleave(groups, dim=1)
         parts.append((qs * ks).sum(-1) * scale)
-    scores = torch.cat(parts) if parts else q.new_zeros(0, heads, dtype=acc)
+    scores = cap(torch.cat(parts) if parts else q.new_zeros(0, heads, dtype=acc), softcap)
+    sink = None if sinks is None else sinks.to(acc)[None]  # (1, h)
     if bias is not None:
         scores = scores + bias.to(acc)
     rows = q.shape[0]
     index = dst[:, None].expand_as(scores)
     peak = scores.new_full((rows, heads), float("-inf")).scatter_reduce(0, index, scores, "amax")
+    peak = peak if sink is None else torch.maximum(peak, sink)
     peak = torch.where(torch.isneginf(peak), 0.0, peak)
     p = torch.exp(scores - peak[dst])
     total = p.new_zeros(rows, heads).index_add_(0, dst, p)
+    total = total if sink is None else total + torch.exp(sink - peak)
     return p / torch.where(total > 0, total, 1.0)[dst]
