@@ -144,10 +144,10 @@ def sparse_case(length_text=10, image=(4, 4)):
     return tokens, P.same("documents") & (P.causal() | P.window(3))
 
 
-@pytest.mark.parametrize("mods", [{"sinks": True}, {"softcap": 2.0}, {"alibi": True},
+@pytest.mark.parametrize("mods", [{}, {"sinks": True}, {"softcap": 2.0}, {"alibi": True},
                                   {"sinks": True, "softcap": 3.0, "alibi": True,
                                    "num_kv_heads": 2}],
-                         ids=["sinks", "softcap", "alibi", "all-gqa"])
+                         ids=["plain", "sinks", "softcap", "alibi", "all-gqa"])
 def test_block_sparse_with_modifiers_equals_the_dense_mask(mods):
     torch.manual_seed(0)
     layer = randomize(MultiHeadAttention(D, H, **mods))
@@ -186,3 +186,21 @@ def test_no_tensor_of_l_by_l_elements_with_grid_terms_and_block_sparse_alibi():
         assert all(not result.skipped for result in found)
         assert seen.largest <= forward.largest < length * length, (seen.largest,
                                                                      forward.largest)
+
+
+def test_encoder_with_a_pattern_equals_its_recorded_weights():
+    """An Encoder built with pattern= runs every block on the block-sparse kernel; the mass
+    of each call equals the weights record_attention gives for the same forward."""
+    from mmattn import Encoder
+    from mmattn.debug import record_attention
+
+    torch.manual_seed(0)
+    tokens, pattern = sparse_case()
+    encoder = Encoder(D, depth=2, num_heads=H, pattern=pattern).eval()
+    mass = attention_mass(encoder, tokens)
+    with torch.no_grad(), record_attention(encoder, average_attn_weights=False) as maps:
+        encoder(tokens)
+    assert mass.modules == ["blocks.0.attn", "blocks.1.attn"]
+    for c, name in enumerate(mass.modules):
+        expected = reference(maps[name][0], span_groups(tokens), real_of(tokens), 2)
+        torch.testing.assert_close(mass.table[c].double(), expected, atol=1e-5, rtol=0)
