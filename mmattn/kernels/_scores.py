@@ -10,7 +10,6 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 
@@ -62,4 +61,8 @@ def group_mask(mask: Tensor, groups: int, q_len: int) -> Tensor:
     if heads == 1:
         return mask if rows == 1 else mask.repeat(1, 1, groups, 1)
     mask = mask.expand(-1, -1, q_len, -1)
-    return rearrange(mask, "b (k g) i j -> b k (g i) j", g=groups)
+    if groups == 1:
+        return mask
+    # b (k g) i j -> b k (g i) j by concatenation: a reshape would guard on the strides of
+    # an (L, L) term, which torch.export cannot prove for a symbolic length
+    return torch.cat(mask.unflatten(1, (-1, groups)).unbind(2), dim=2)
