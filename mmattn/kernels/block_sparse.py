@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmattn._helpers import exporting
+from mmattn._helpers import ceil_div, exporting
 from mmattn.kernels import dense as _dense
 from mmattn.kernels import packed as _packed
 from mmattn.kernels._block_sparse_cpu import DTYPES, TileAttention, rectangles
@@ -149,7 +149,7 @@ def plan_tiles(
         mixed_tiles: (P, 3) the other non-empty tiles; mixed_masks (P, s, s) their masks.
         width: the model width (sets the planner's fixed cost of one call).
     """
-    s, n = block, -(-length // block)
+    s, n = block, ceil_div(length, block)
     padded, device = n * s, mixed_masks.device
     buckets = bucketize(batch, length, s, full_tiles, mixed_tiles, mixed_masks, width)
     offsets = torch.arange(s, device=device)
@@ -175,7 +175,7 @@ def bucketize(
     mixed_masks: Tensor, width: int,
 ) -> list[Bucket]:
     """The buckets of these tiles (see :func:`plan_tiles`)."""
-    n = -(-length // s)
+    n = ceil_div(length, s)
     device = mixed_masks.device
     tiles = torch.cat([full_tiles, mixed_tiles]).to(device)
     kind = torch.cat([

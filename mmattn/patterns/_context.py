@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmattn import _checks as checks
+from mmattn._helpers import ceil_div
 from mmattn.tokens import Tokens
 
 #: Larger than any position or id (pads tile minima), and its negative (pads maxima).
@@ -287,7 +288,7 @@ class Tiles:
 
     def __init__(self, ctx: TokenContext, block: int) -> None:
         self.ctx, self.block = ctx, block
-        self.count = -(-ctx.length // block)
+        self.count = ceil_div(ctx.length, block)
         lo = torch.arange(self.count, device=ctx.device) * block
         hi = torch.clamp(lo + block - 1, max=max(ctx.length - 1, 0))
         self.q_lo, self.q_hi = lo[None, :, None], hi[None, :, None]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from mmattn._helpers import ceil_div
 from mmattn.patterns._sparse_mask import SparseMask
 
 #: Eight ``True`` bools read as one little- or big-endian int64 (the same either way).
@@ -40,7 +41,7 @@ def classify_tiles(mask: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tenso
     """
     batch, length = mask.shape[0], mask.shape[-1]
     s = block_size
-    n = -(-length // s)
+    n = ceil_div(length, s)
     padded = n * s
     if padded != length:
         mask = F.pad(mask, (0, padded - length, 0, padded - length), value=False)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from mmattn import _checks as checks
+from mmattn._helpers import ceil_div
 from mmattn.kernels import block_sparse as _kernel
 from mmattn.patterns._context import Tiles, TokenContext, padding_bound, with_padding
 from mmattn.tokens import Tokens
@@ -76,7 +77,7 @@ class SparseMask:
 
     @property
     def tiles_per_axis(self) -> int:
-        return -(-self.length // self.block_size)
+        return ceil_div(self.length, self.block_size)
 
     @property
     def nonempty_blocks(self) -> int:
