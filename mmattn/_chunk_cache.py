@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from mmattn import _checks as checks
+from mmattn._cache_buffers import BufferCache
 from mmattn._helpers import exporting
 
 __all__ = ["ChunkCache", "EncoderCache", "check_no_look_ahead"]
@@ -41,7 +42,7 @@ def check_no_look_ahead(right: object) -> None:
         )
 
 
-class ChunkCache:
+class ChunkCache(BufferCache):
     """Keys and values of the last ``left`` chunks of one attention layer, for streaming.
 
     ``mha(x_chunk, cache=cache)`` (``cache = mha.make_cache(batch_size, chunk=c, left=l)``)
@@ -110,24 +111,6 @@ class ChunkCache:
         self._owner = None if owner is None else weakref.ref(owner)
 
     # ------------------------------------------------------------------ the cache protocol
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def offset(self) -> Tensor:
-        """Position of the next token: the number of tokens already streamed (0-D tensor)."""
-        return self.size
-
-    def __len__(self) -> int:
-        return int(self.size)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers (constant over the stream)."""
-        return sum(t.numel() * t.element_size() for t in vars(self).values()
-                   if isinstance(t, Tensor))
-
     def reset(self) -> None:
         """Start a new stream (buffers keep their memory)."""
         self.size.zero_()

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from mmattn import _checks as checks
+from mmattn._cache_buffers import BufferCache
 from mmattn._cache_checks import check_cache_call as check_cache_call  # moved; importable
 from mmattn._chunk_cache import ChunkCache, EncoderCache
 
@@ -43,7 +44,7 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-class _Cache:
+class _Cache(BufferCache):
     """Shared sizes, counter and checks of the caches (not for direct use)."""
 
     #: True for caches of self-attention (decoding needs the causal rule).
@@ -75,24 +76,6 @@ class _Cache:
         self.v = torch.zeros(*shape, self.value_dim, device=device, dtype=self.dtype)
         #: Tokens seen so far (a 0-D long tensor, so compiled code does not specialise on it).
         self.size = torch.zeros((), dtype=torch.long, device=device)
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def offset(self) -> Tensor:
-        """Position of the next token: the number of tokens already appended (0-D tensor)."""
-        return self.size
-
-    def __len__(self) -> int:
-        return int(self.size)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers (constant over decoding)."""
-        return sum(t.numel() * t.element_size() for t in vars(self).values()
-                   if isinstance(t, Tensor))
 
     def reset(self) -> None:
         """Forget every token (buffers keep their memory)."""
