@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from mmattn._helpers import exporting
 from mmattn.attention._appended import num_extra_keys
+from mmattn.attention._inputs import from_batch_first, to_batch_first
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.kernels import block_sparse
 from mmattn.kernels.packed import is_jagged
@@ -97,12 +98,9 @@ def sparse_forward(
     """``module.forward`` with ``attn_mask`` a SparseMask (see the module docstring)."""
     _check_call(module, query, key, value, attn_mask, cache)
     batched = module._check_inputs(query, query, query, key_padding_mask, None, is_causal)
-    if not batched:
-        query = query[None]
-        if key_padding_mask is not None:
-            key_padding_mask = key_padding_mask[None]
-    elif not module.batch_first:
-        query = rearrange(query, "l b d -> b l d")
+    query, _, _, key_padding_mask = to_batch_first(
+        module, batched, query, query, query, key_padding_mask
+    )
     batch, length = query.shape[0], query.shape[1]
     if attn_mask.shape != (batch, length, length):
         raise ValueError(
@@ -129,16 +127,7 @@ def sparse_forward(
         groups=module.num_heads // module.num_kv_heads, modifiers=score_modifiers(module),
     )
     out = module.out_proj(rearrange(out, "b h l e -> b l (h e)"))
-    if not batched:
-        out = out[0]
-    elif not module.batch_first:
-        out = rearrange(out, "b l d -> l b d")
-    if weights is not None:
-        if average_attn_weights:
-            weights = weights.mean(dim=1)
-        if not batched:
-            weights = weights[0]
-    return out, weights
+    return from_batch_first(module, batched, out, weights, average_attn_weights)
 
 
 @torch.compiler.disable
