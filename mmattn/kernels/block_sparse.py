@@ -44,9 +44,6 @@ from mmattn.kernels import packed as _packed
 from mmattn.kernels._block_sparse_cpu import DTYPES, TileAttention, rectangles
 from mmattn.kernels.modifiers import Modifiers
 
-#: Items the bucket planner sees at most (query tiles of equal count are grouped to fit).
-PLAN_ITEMS = 64
-
 
 @dataclass
 class Bucket:
@@ -59,6 +56,7 @@ class Bucket:
         k_tiles: (N c,) their key tiles, query tile by query tile.
         slots: (N, c, 3) (b, query tile, key tile) of each slot (padding: a real tile).
         allowed: (N, 1, s, c s) bool, True where the pair may attend.
+        all_live: every row has an allowed key (None: not known, the live rows are applied).
     """
 
     count: int
@@ -66,6 +64,7 @@ class Bucket:
     k_tiles: Tensor
     slots: Tensor
     allowed: Tensor
+    all_live: bool | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -91,18 +90,21 @@ class Bucket:
     def fused_mask(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         """The additive mask with dead rows opened, and the live rows (None: all live)."""
         if dtype not in self._masks:
-            self._masks[dtype] = additive(self.allowed, dtype)
+            self._masks[dtype] = additive(self.allowed, dtype, self.all_live)
         return self._masks[dtype]
 
 
-def additive(allowed: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+def additive(
+    allowed: Tensor, dtype: torch.dtype, all_live: bool | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """(mask, live): ``allowed`` as 0 / -inf with rows without a key opened (dense.py's
-    dead-row policy), and those rows' (.., s, 1) live flags (None when every row is live)."""
+    dead-row policy), and those rows' (.., s, 1) live flags (None when ``all_live``; not read
+    back from the device here: unknown, the flags are returned)."""
     live = _dense.live_rows(allowed)
     opened = _dense.open_dead_rows(allowed, live)
     mask = torch.zeros(opened.shape, dtype=dtype, device=opened.device)
     mask = mask.masked_fill(~opened, float("-inf"))
-    return mask, (None if bool(live.all()) else live)
+    return mask, (None if all_live else live)
 
 
 @dataclass
@@ -152,6 +154,10 @@ def plan_tiles(
     s, n = block, ceil_div(length, block)
     padded, device = n * s, mixed_masks.device
     buckets = bucketize(batch, length, s, full_tiles, mixed_tiles, mixed_masks, width)
+    if buckets:  # which buckets have a row without any key: one read for all of them
+        dead = torch.stack([~_dense.live_rows(bk.allowed).all() for bk in buckets])
+        for bucket, has_dead in zip(buckets, dead.tolist()):
+            bucket.all_live = not has_dead
     offsets = torch.arange(s, device=device)
     q_tiles = torch.cat([bk.q_tiles for bk in buckets]) if buckets else offsets[:0]
     k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
@@ -189,10 +195,10 @@ def bucketize(
     starts = torch.cumsum(counts, 0) - counts
     busy = counts.nonzero().squeeze(1)
     busy = busy[torch.argsort(counts[busy], descending=True, stable=True)]
-    groups = _groups(busy, counts[busy].tolist(), s)
+    groups = _packed.count_groups(busy, counts[busy].tolist())
     cuts = _packed.plan(
         [len(g) * s for g, _ in groups], [c * s for _, c in groups],
-        call_cost=_packed.CALL_WORK / max(width, 1),
+        call_cost=_packed.call_work(device) / max(width, 1),
     )
     offsets = torch.arange(s, device=device)
     # every slot's (s, s) mask, gathered from one bank: full, empty (a padding slot), full
@@ -218,20 +224,6 @@ def bucketize(
             allowed=allowed.permute(0, 2, 1, 3).reshape(qt.shape[0], 1, s, c * s),
         ))
     return buckets
-
-
-def _groups(busy: Tensor, counts: list[int], block: int) -> list[tuple[Tensor, int]]:
-    """Query tiles (sorted by count, descending) in groups of one count, at most
-    ``ceil(len / PLAN_ITEMS)`` each, so the planner sees about PLAN_ITEMS items."""
-    size = max(1, math.ceil(len(counts) / PLAN_ITEMS))
-    groups, start = [], 0
-    while start < len(counts):
-        stop = start
-        while stop < len(counts) and counts[stop] == counts[start] and stop - start < size:
-            stop += 1
-        groups.append((busy[start:stop], counts[start]))
-        start = stop
-    return groups
 
 
 def tiled(rows: Tensor, block: int) -> Tensor:

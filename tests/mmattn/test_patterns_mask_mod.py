@@ -92,6 +92,15 @@ def reads(pattern, tokens, block) -> tuple[int, int]:
     return watcher.count, mask.mixed_tiles.shape[0]
 
 
+def plan_reads(mask) -> tuple[int, int]:
+    """Host reads of the bucket plan and of every bucket's additive mask."""
+    with HostReads() as watcher:
+        plan = mask.plan(64)
+        for bucket in plan.buckets:
+            bucket.fused_mask(torch.float32)
+    return watcher.count, len(plan.buckets)
+
+
 def test_compile_reads_the_host_a_constant_number_of_times():
     pattern = P.per_modality(
         within={"text": P.causal(), "image": P.neighborhood(7), "audio": P.window(32)},
@@ -102,6 +111,10 @@ def test_compile_reads_the_host_a_constant_number_of_times():
     host, tiles = zip(*counts.values())
     assert tiles[0] < tiles[1] < tiles[2] and tiles[2] > 10_000, counts  # many chunks
     assert len(set(host)) == 1 and host[0] <= 12, counts
+    # and the kernel's bucket plan, however many buckets
+    plans = [plan_reads(pattern.compile(long_fused(length), block_size=block))
+             for length, block in ((4096, 64), (8192, 16))]
+    assert plans[0][1] < plans[1][1] and plans[0][0] == plans[1][0] <= 6, plans
     # the interleaved rows (segments from meta, edges) too
     edges = PER_MODALITY & ~P.window(0)
     assert reads(edges, FUSED, 1)[0] <= 16
