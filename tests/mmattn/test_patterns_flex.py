@@ -5,7 +5,7 @@ SDPA with ``pattern.dense(tokens)`` on the rows that attend something, on padded
 
 CPU flex compiles take seconds each (one per mask_mod): the whole sweep is ``slow``; the
 per-modality pattern (every primitive but chunked and same, and ``&``, ``|``, ``~``) runs
-always.
+always, with a compiled mask build and with ``block_mask()``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ CASES = {
     "not": ~P.window(3),
 }
 #: The cases that run without ``slow`` (about 40 s each on a busy 2-core CPU).
-ALWAYS = {("per-modality", False), ("per-modality", 16)}
+ALWAYS = {("per-modality", True), ("per-modality", 16)}
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +92,24 @@ def test_flex_with_mask_mod_equals_sdpa(name, compiled):
 def test_flex_with_block_mask_equals_sdpa(name, block):
     pattern = CASES[name]
     assert_equals_sdpa(pattern, pattern.compile(FUSED, block_size=block).block_mask())
+
+
+@pytest.mark.slow
+def test_compiled_mask_build_equals_the_eager_one_and_the_tiles():
+    """``create_block_mask(..., _compile=True)`` traces ``mask_mod`` on its first use: its
+    tables exist before, so the build gives the eager one's blocks, whose non-empty blocks
+    per query tile are the SparseMask's (flex finds full blocks exactly, mmattn's bounds
+    may leave a full tile mixed: only the sum is compared)."""
+    mask_mod = PER_MODALITY.mask_mod(FUSED)
+    batch, length = FUSED.batch_size, FUSED.length
+    eager, compiled = (flex_module.create_block_mask(
+        mask_mod, batch, None, length, length, device="cpu", BLOCK_SIZE=16, _compile=c)
+        for c in (False, True))
+    assert torch.equal(eager.to_dense(), compiled.to_dense())
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(eager, name), getattr(compiled, name)), name
+    sparse = PER_MODALITY.compile(FUSED, block_size=16)
+    ours = torch.zeros(batch, sparse.tiles_per_axis, dtype=torch.long)
+    for b, qi, _ in torch.cat([sparse.full_tiles, sparse.mixed_tiles]).tolist():
+        ours[b, qi] += 1
+    assert torch.equal((eager.kv_num_blocks + eager.full_kv_num_blocks)[:, 0].long(), ours)
