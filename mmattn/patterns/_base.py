@@ -175,7 +175,13 @@ class Pattern:
         """This rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for these tokens.
 
         It includes the padding rule, so ``create_block_mask(p.mask_mod(tokens), B, None, L,
-        L)`` allows exactly what :meth:`dense` does (the head index is ignored).
+        L)`` allows exactly what :meth:`dense` does (the head index is ignored). Every table
+        it reads is built here (:meth:`prepare`); inside, it only indexes and compares, so
+        ``torch.compile(flex_attention)`` compiles it, also when its first use is traced
+        (``create_block_mask(..., _compile=True)``). See docs/patterns.md, "On a GPU".
+
+        Returns:
+            ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on integer index tensors.
         """
         ctx = TokenContext(tokens)
         rule = self.prepared(ctx)
