@@ -94,12 +94,10 @@ class Bucket:
         return self._masks[dtype]
 
 
-def additive(
-    allowed: Tensor, dtype: torch.dtype, all_live: bool | None = None,
-) -> tuple[Tensor, Tensor | None]:
+def additive(allowed: Tensor, dtype: torch.dtype,
+             all_live: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """(mask, live): ``allowed`` as 0 / -inf with rows without a key opened (dense.py's
-    dead-row policy), and those rows' (.., s, 1) live flags (None when ``all_live``; not read
-    back from the device here: unknown, the flags are returned)."""
+    dead-row policy), and the (.., s, 1) live rows (None when ``all_live``: never read here)."""
     live = _dense.live_rows(allowed)
     opened = _dense.open_dead_rows(allowed, live)
     mask = torch.zeros(opened.shape, dtype=dtype, device=opened.device)
@@ -154,10 +152,10 @@ def plan_tiles(
     s, n = block, ceil_div(length, block)
     padded, device = n * s, mixed_masks.device
     buckets = bucketize(batch, length, s, full_tiles, mixed_tiles, mixed_masks, width)
-    if buckets:  # which buckets have a row without any key: one read for all of them
-        dead = torch.stack([~_dense.live_rows(bk.allowed).all() for bk in buckets])
-        for bucket, has_dead in zip(buckets, dead.tolist()):
-            bucket.all_live = not has_dead
+    dead = dead_tiles(batch * n, s, full_tiles, mixed_tiles, mixed_masks, n)
+    for bucket, has_dead in zip(buckets, torch.stack([dead[bk.q_tiles].any() for bk in buckets]
+                                                     ).tolist() if buckets else []):
+        bucket.all_live = not has_dead  # (one read for every bucket)
     offsets = torch.arange(s, device=device)
     q_tiles = torch.cat([bk.q_tiles for bk in buckets]) if buckets else offsets[:0]
     k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
@@ -174,6 +172,16 @@ def plan_tiles(
     return TilePlan(batch, length, s, padded, tuple(buckets), q_tiles, k_tiles, tile_rows, seen,
                     bool(seen.view(batch, padded)[:, :length].all()), density,
                     (full_tiles, mixed_tiles, mixed_masks, width))
+
+
+def dead_tiles(count: int, s: int, full: Tensor, mixed: Tensor, masks: Tensor, n: int) -> Tensor:
+    """(b n,) bool: query tiles with a row no key tile allows (a full tile allows all)."""
+    live = torch.zeros(count, s, dtype=torch.uint8, device=masks.device)
+    rows = masks.view(torch.uint8).amax(dim=2)  # (P, s): the rows each mixed tile allows
+    live.scatter_reduce_(0, (mixed[:, 0] * n + mixed[:, 1])[:, None].expand_as(rows), rows,
+                         "amax")
+    live[full[:, 0] * n + full[:, 1]] = 1
+    return (live == 0).any(dim=1)
 
 
 def bucketize(

@@ -92,13 +92,15 @@ def reads(pattern, tokens, block) -> tuple[int, int]:
     return watcher.count, mask.mixed_tiles.shape[0]
 
 
-def plan_reads(mask) -> tuple[int, int]:
+def plan_reads(mask) -> tuple[int, int, set]:
     """Host reads of the bucket plan and of every bucket's additive mask."""
     with HostReads() as watcher:
         plan = mask.plan(64)
         for bucket in plan.buckets:
             bucket.fused_mask(torch.float32)
-    return watcher.count, len(plan.buckets)
+    for bucket in plan.buckets:  # the flags read at once are each bucket's own
+        assert bucket.all_live == bool(bucket.allowed.any(dim=-1).all())
+    return watcher.count, len(plan.buckets), {b.all_live for b in plan.buckets}
 
 
 def test_compile_reads_the_host_a_constant_number_of_times():
@@ -113,8 +115,9 @@ def test_compile_reads_the_host_a_constant_number_of_times():
     assert len(set(host)) == 1 and host[0] <= 12, counts
     # and the kernel's bucket plan, however many buckets
     plans = [plan_reads(pattern.compile(long_fused(length), block_size=block))
-             for length, block in ((4096, 64), (8192, 16))]
-    assert plans[0][1] < plans[1][1] and plans[0][0] == plans[1][0] <= 6, plans
+             for length, block in ((4096, 64), (8192, 16), (4010, 48))]
+    assert plans[0][1] < plans[1][1] and plans[0][0] == plans[1][0] == plans[2][0] <= 6, plans
+    assert plans[2][2] == {True, False}  # (padding ends inside a tile: dead rows there)
     # the interleaved rows (segments from meta, edges) too
     edges = PER_MODALITY & ~P.window(0)
     assert reads(edges, FUSED, 1)[0] <= 16
