@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmattn._checks import check_range, is_integer_dtype
+from mmattn._checks import is_integer_dtype
 
 #: meta keys whose tensors are not one value per token, even when shaped (b, l).
 NOT_PER_TOKEN = ("edge_index", "edge_bias", "grids")
@@ -32,8 +32,9 @@ def check_spans(
     """``meta["spans"]`` checked: ``{name: (start, stop)}``, 0 <= start <= stop <= length.
 
     Each bound is an int or a (batch,) integer tensor (per item). Nothing is clipped: a
-    negative start or a stop past ``length`` is refused. The bounds are read once (skipped
-    while ``torch.compile`` traces and on the meta device, as :func:`check_range`).
+    negative start or a stop past ``length`` is refused. Int bounds are compared in Python;
+    tensor bounds are read once for all spans (skipped while ``torch.compile`` traces and on
+    the meta device, as ``_checks.check_range``).
 
     Returns:
         ``{name: (start, stop)}`` with (batch,) int64 tensors on ``device``.
@@ -54,12 +55,37 @@ def check_spans(
         if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
             raise TypeError(f"{where} must be a (start, stop) pair, got {bounds!r}")
         start, stop = (_bound(f"{where}[{i}]", v, batch, device) for i, v in enumerate(bounds))
-        high = "length + 1"
-        check_range(f"{where}[0] (start)", start, 0, length + 1, high)
-        check_range(f"{where}[1] (stop)", stop, 0, length + 1, high)
-        check_range(f"{where} stop - start", stop - start, 0, length + 1, high)
         out[key] = (start, stop)
+    _check_bounds(name, value, out, length)
     return out
+
+
+def _check_bounds(
+    name: str, value: Mapping, spans: dict[str, tuple[Tensor, Tensor]], length: int
+) -> None:
+    """0 <= start <= stop <= length for every span: Python ints are compared directly, the
+    tensor bounds with one read for all of them (then each is named)."""
+    tensors = [key for key, bounds in value.items() if any(isinstance(v, Tensor)
+                                                            for v in bounds)]
+    for key, (start, stop) in value.items():
+        if key not in tensors and not 0 <= start <= stop <= length:
+            raise ValueError(
+                f"{name}[{key!r}] must satisfy 0 <= start <= stop <= length={length}, got "
+                f"({start}, {stop})"
+            )
+    if not tensors or torch.compiler.is_compiling():
+        return
+    bounds = [spans[key] for key in tensors]
+    if bounds[0][0].device.type == "meta" or not bounds[0][0].numel():
+        return
+    start, stop = (torch.stack(side) for side in zip(*bounds))  # (spans, B)
+    if bool(((start < 0) | (start > stop) | (stop > length)).any()):
+        for key, (start, stop) in zip(tensors, bounds):
+            if bool(((start < 0) | (start > stop) | (stop > length)).any()):
+                raise ValueError(
+                    f"{name}[{key!r}] must satisfy 0 <= start <= stop <= length={length} in "
+                    f"every item, got start {start.tolist()} and stop {stop.tolist()}"
+                )
 
 
 def _bound(name: str, value: object, batch: int, device: Any) -> Tensor:
