@@ -19,9 +19,6 @@ from mmattn import patterns as P
 from mmattn.debug import attention_mass
 from tests.mmattn._pattern_cases import fused_tokens, patterns
 
-#: attention_mass runs attention, but the same path on both layouts: one pass is enough.
-pytestmark = pytest.mark.pins_path
-
 D = 8
 
 
