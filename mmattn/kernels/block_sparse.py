@@ -41,8 +41,8 @@ from torch import Tensor
 from mmattn._helpers import ceil_div, exporting
 from mmattn.kernels import dense as _dense
 from mmattn.kernels import packed as _packed
-from mmattn.kernels._block_sparse_cpu import DTYPES, TileAttention, rectangles
-from mmattn.kernels.modifiers import Modifiers
+from mmattn.kernels._block_sparse_cpu import TileAttention, rectangles
+from mmattn.kernels.modifiers import FLASH_DTYPES, Modifiers
 
 #: Items the bucket planner sees at most (query tiles of equal count are grouped to fit).
 PLAN_ITEMS = 64
@@ -378,7 +378,7 @@ def fast_parts(plan: TilePlan) -> tuple[list, list[Bucket]]:
 def _fast(q: Tensor, v: Tensor, explicit: bool, dropout_p: float, key_add: Tensor | None) -> bool:
     """Whether :class:`~mmattn.kernels._block_sparse_cpu.TileAttention` can run the call."""
     return (
-        not explicit and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype in DTYPES
+        not explicit and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype in FLASH_DTYPES
         and q.shape[-1] == v.shape[-1] and not exporting()
         and not (key_add is not None and key_add.requires_grad)
     )
