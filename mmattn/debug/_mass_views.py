@@ -176,11 +176,6 @@ def _step(tile: Tile, elements: int) -> int:
     return max(1, elements // max(1, heads * rows * tile.k.shape[2]))
 
 
-def split_slots(t: Tensor, tile: Tile, elements: int) -> tuple[Tensor, ...]:
-    """``t`` (one row per slot of ``tile``) cut as :func:`chunks` cuts the tile."""
-    return t.split(_step(tile, elements))
-
-
 def chunks(tile: Tile, elements: int = TILE_ELEMENTS) -> Iterator[Tile]:
     """A tile cut along its slots so that each part holds at most ``elements`` scores."""
     n = tile.q.shape[0]

@@ -91,7 +91,7 @@ def _run(session: Session, model: nn.Module, tokens: Any, args: tuple, kwargs: d
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     undo = session.install(model)
-    remove = _kernel.add_listener(session.listener)
+    remove = _kernel.add_listener(session.listener) if session.topk else (lambda: None)
     try:
         if isinstance(model, MultiHeadAttention) and isinstance(tokens, Tokens):
             session.tokens.append(tokens)  # a bare layer: called on the Tokens' tensors
@@ -184,16 +184,14 @@ def attention_mass(
     names: list[str] = []
     for call in session.calls:
         names.extend(n for n in call.names if n not in names)
-    heads = max(call.tally.sums.shape[0] for call in session.calls)
+    heads = max(call.sums.shape[0] for call in session.calls)
     table = torch.full((len(session.calls), heads, len(names), len(names)), float("nan"))
     counts = torch.zeros(len(session.calls), len(names), dtype=torch.long)
     for c, call in enumerate(session.calls):
         index = torch.tensor([names.index(n) for n in call.names], dtype=torch.long)
-        sums = call.tally.sums[:, :-1, :-1].cpu()
-        count = call.tally.counts().cpu()
+        sums, count = call.sums.cpu(), call.counts().cpu()
         mean = (sums / count[None, :, None]).float()  # NaN (0 / 0) where no query of a group
-        h = sums.shape[0]
-        table[c][:h, index[:, None], index[None, :]] = mean
+        table[c][:sums.shape[0], index[:, None], index[None, :]] = mean
         counts[c, index] = count
     return AttentionMass(table, names, [call.name for call in session.calls], counts,
                          session.skipped, output)
