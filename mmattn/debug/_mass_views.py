@@ -24,10 +24,10 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mmattn.kernels import block_sparse
 from mmattn.kernels import dense as _dense
 from mmattn.kernels._segment import default_scale
 from mmattn.kernels._segment_modifiers import edge_attend_modified_explicit
-from mmattn.kernels.block_sparse import alibi_term
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
 #: At most this many scores in one tile (blocks of rows are cut to fit).
@@ -309,17 +309,17 @@ def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
 
 
 def sparse_tiles(record: dict) -> Iterator[Tile]:
-    """A block-sparse call's buckets: query tiles against their non-empty key tiles, with
-    the tiles' exact masks, the call's key mask and causal rule, its modifiers (ALiBi on
-    each item's token index, as the kernel's :func:`alibi_term`); token ids ``b·L + i``.
+    """A block-sparse call's buckets as its explicit path runs them: query tiles against
+    their key tiles with the kernel's own bucket mask and ALiBi term
+    (:func:`~mmattn.kernels.block_sparse.explicit_mask`); token ids ``b·L + i``.
 
     Shape:
-        - q: (b, h, l, e); k: (b, k, l, e); key_mask: (b, l) bool or float, or None
+        - q: (b, h, l, e); k: (b, k, l, e)
     """
-    q, k, plan, key_mask = record["q"], record["k"], record["plan"], record.get("key_mask")
+    q, k, plan = record["q"], record["k"], record["plan"]
     batch, heads, length, width = q.shape
-    scale = default_scale(q, record.get("scale"))
     padded, s = plan.padded, plan.block
+    call = block_sparse.Call.of(record.get("key_mask"), bool(record.get("is_causal")), padded)
 
     def rows(x: Tensor) -> Tensor:  # (b, h, l, e) -> (b padded, h, e)
         x = rearrange(x, "b h l e -> b l h e")
@@ -330,27 +330,18 @@ def sparse_tiles(record: dict) -> Iterator[Tile]:
         return torch.where(pos < length, flat // padded * length + pos, -1)
 
     q2, k2 = rows(q), rows(k)
-    keyed = None
-    if key_mask is not None:
-        fill = False if key_mask.dtype == torch.bool else float("-inf")
-        keyed = torch.cat([key_mask, key_mask.new_full((batch, padded - length), fill)], 1)
-        keyed = keyed.reshape(-1)
+    mods = record.get("modifiers")
     for bucket in plan.buckets:
-        tiles = bucket.tiles
-        q_rows, k_rows = bucket.q_rows, bucket.k_rows
-        allowed, bias = bucket.allowed, None
-        if keyed is not None:
-            key = keyed[k_rows].view(tiles, 1, 1, -1)
-            allowed, bias = (allowed & key, None) if key.dtype == torch.bool else (allowed, key)
-        if record.get("is_causal"):
-            allowed = allowed & ((k_rows % padded).view(tiles, 1, 1, -1)
-                                 <= (q_rows % padded).view(tiles, 1, -1, 1))
-        alibi = alibi_term(bucket, record.get("modifiers"), padded, _acc(q))
+        mask, terms = block_sparse.explicit_mask(bucket, call._replace(mods=mods), padded,
+                                                 _acc(q))
+        allowed, bias = split_mask(mask)
+        alibi = None if terms is None else terms.bias
         bias = alibi if bias is None else bias if alibi is None else bias + alibi
         yield from chunks(Tile(
-            rearrange(q2[q_rows], "(n s) h e -> n h s e", s=s),
-            rearrange(k2[k_rows], "(n t) k e -> n k t e", n=tiles), allowed, bias, scale,
-            token(q_rows).view(tiles, s), token(k_rows).view(tiles, -1),
+            rearrange(q2[bucket.q_rows], "(n s) h e -> n h s e", s=s),
+            rearrange(k2[bucket.k_rows], "(n t) k e -> n k t e", n=bucket.tiles), allowed,
+            bias, default_scale(q, record.get("scale")), token(bucket.q_rows).view(
+                bucket.tiles, s), token(bucket.k_rows).view(bucket.tiles, -1),
             **modifiers_of(record)))
 
 

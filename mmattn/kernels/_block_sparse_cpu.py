@@ -25,7 +25,7 @@ backward with the sink (the weights it recomputes are the sinked ones), plus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -34,6 +34,17 @@ from mmattn.kernels.modifiers import FLASH, FLASH_BACKWARD, join_sink, sink_grad
 
 #: A rectangle is worth a call of its own from this many tiles and query tiles on.
 RECT_TILES, RECT_ROWS = 32, 2
+
+
+@dataclass(eq=False)
+class CpuPlan:
+    """The CPU fused path's state of one plan (``TilePlan.cpu``): the tiles it cuts
+    rectangles from (full tiles, mixed tiles, their masks, the model width), its parts once
+    cut (``block_sparse.fast_parts``), and its gather buffers, reused call after call."""
+
+    tiles: tuple
+    parts: tuple | None = None
+    workspace: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
