@@ -40,10 +40,8 @@ from torch import Tensor, nn
 from mmattn._helpers import exporting
 from mmattn._jagged import contiguous_parts, is_jagged, jagged
 from mmattn.attention.mha import MultiHeadAttention
-from mmattn.debug import _mass_views as views
 from mmattn.debug._mass_groups import Layout, token_groups
 from mmattn.debug._mass_tally import Tally, Unsupported
-from mmattn.debug._mass_terms import neighborhood_terms
 from mmattn.tokens import Tokens
 
 
@@ -287,91 +285,9 @@ class Session:
             return
         try:
             with torch.no_grad():
-                kind, tiles = self._tiles(record, call)
-                for tile in tiles:
-                    if kind == "edges":
-                        call.tally.edges(*tile)
-                    else:
-                        call.tally.rows(tile)
+                call.tally.feed(record, self.block)
         except Unsupported as why:
             call.skip = str(why)
-
-    def _slots(self, record: dict, call: Call, q: Tensor) -> views.Slots:
-        layout = call.layout
-        starts, lengths = layout.offsets[:-1], layout.lengths
-        if "items" in record:  # a packed bucket: slot n is item items[n]
-            items = torch.tensor(record["items"], dtype=torch.long, device=starts.device)
-            starts, lengths = starts[items], lengths[items]
-        elif q.shape[0] != layout.batch or q.shape[2] != layout.length:
-            raise Unsupported(f"a kernel call of shape {tuple(q.shape)} on tokens "
-                              f"{(layout.batch, layout.length)}")
-        return views.Slots(starts, lengths, starts, lengths)
-
-    def _tiles(self, record: dict, call: Call) -> tuple[str, Iterator]:
-        path, block = record["path"], self.block
-        q, k = record.get("q"), record.get("k")
-        if path == "local":  # its blocks and slabs; "inputs" are the tensors before blocking
-            if "inputs" not in record:  # an empty sequence or batch: nothing attended
-                return "rows", iter(())
-            slots = self._slots(record, call, record["inputs"][0])
-            return "rows", views.band_tiles(record, slots)
-        if (record.get("modifiers") or record.get("position_bias") is not None) and (
-            path not in ("local", "fused", "explicit", "chunked", "packed", "neighborhood",
-                         "block-sparse", "edge", "edge-explicit")
-        ):
-            raise Unsupported(f"score modifiers on the {path!r} kernel are not applied by "
-                              "attention_mass")
-        if path == "neighborhood":
-            return "rows", self._neighborhood(record, call)
-        if path == "block-sparse" and "plan" in record:
-            layout = call.layout
-            if not torch.equal(layout.offsets.cpu(),
-                               torch.arange(layout.batch + 1) * layout.length):
-                raise Unsupported("a block-sparse call on packed tokens")
-            return "rows", views.sparse_tiles(record)
-        if path in ("edge", "edge-explicit") and "src" in record:
-            w = views.edge_weights(q, k, record["src"], record["dst"], record.get("bias"),
-                                   record.get("scale"), **views.modifiers_of(record))
-            return "edges", iter([(w, record["dst"], record["src"])])
-        if path == "packed" and record.get("kernel") == "jagged-sdpa":
-            return "rows", self._jagged(record, call)
-        if path in ("fused", "explicit", "chunked") or (
-            path == "packed" and record.get("kernel") == "buckets"
-        ):
-            return "rows", views.dense_tiles(
-                q, k, record.get("mask"), self._slots(record, call, q),
-                is_causal=bool(record.get("is_causal")), scale=record.get("scale"),
-                block=block or 64, score_weight=record.get("score_weight"),
-                **views.modifiers_of(record),
-            )
-        raise Unsupported(f"the {path!r} kernel path is not known to attention_mass")
-
-    def _neighborhood(self, record: dict, call: Call) -> Iterator:
-        from mmattn.kernels.neighborhood import build_plan, choose_tiles, padded_items
-
-        q, k, key_mask = record["q"], record["k"], record.get("mask")
-        plan, items = record.get("plan"), record.get("items")
-        if plan is None:  # the padded form: a plan over every item of the batch
-            batch, _, length, _ = q.shape
-            kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
-            items = padded_items(batch, length, record["grid"],
-                                 num_global_tokens=record["num_global_tokens"],
-                                 grid_start=record["grid_start"])
-            tiles = choose_tiles(items, kernel, dilation)
-            plan = build_plan(batch * length, items, kernel, dilation, tiles, q.device)
-            q, k = (rearrange(t, "b h l e -> (b l) h e") for t in (q, k))
-            key_mask = None if key_mask is None else key_mask.reshape(-1)
-        return views.plan_tiles(q, k, key_mask, plan, scale=record.get("scale"),
-                                **neighborhood_terms(record, items, q.shape[0], q))
-
-    def _jagged(self, record: dict, call: Call) -> Iterator:
-        starts, lengths = call.layout.offsets[:-1], call.layout.lengths
-        for m, (qm, km) in enumerate(zip(record["q"].unbind(), record["k"].unbind())):
-            slots = views.Slots(starts[m:m + 1], lengths[m:m + 1], starts[m:m + 1],
-                                lengths[m:m + 1])
-            yield from views.dense_tiles(qm[None], km[None], None, slots,
-                                         is_causal=bool(record.get("is_causal")),
-                                         block=self.block or 64)
 
     # -------------------------------------------------------------- hooks
 

@@ -30,6 +30,11 @@ from mmattn.kernels._segment import default_scale
 from mmattn.kernels._segment_modifiers import edge_attend_modified_explicit
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
+
+class Unsupported(Exception):
+    """A call or kernel report attention_mass / top_keys cannot measure (then skipped)."""
+
+
 #: At most this many scores in one tile (blocks of rows are cut to fit).
 TILE_ELEMENTS = 1 << 22
 
