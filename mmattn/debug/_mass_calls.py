@@ -189,6 +189,8 @@ class Session:
                     call.sums = self._measure(call)
             except Unsupported as why:
                 call.skip = str(why)
+            except (RuntimeError, ValueError, TypeError) as error:
+                call.skip = f"its second run (the groups as values) failed: {error}"
         call.projected = {}
         if call.skip is not None:
             self.skipped.append((call.name, call.skip))
@@ -341,7 +343,7 @@ class Session:
 
         def post(mod, args, kwargs, output):
             if self.active and not self.replaying:
-                self.close()
+                self.close(failed=output is None)  # None: the forward raised
 
         hooks = [module.register_forward_pre_hook(pre, with_kwargs=True),
                  module.register_forward_hook(post, with_kwargs=True, always_call=True)]
