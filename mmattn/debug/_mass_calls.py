@@ -216,7 +216,8 @@ class Session:
             stop = min(count, start + width)
             cols = torch.where((group >= start) & (group < stop), group - start, width)
             onehot = F.one_hot(cols, width + 1)[:, :width].to(like.dtype)  # (t, e)
-            out = self._run_again(call, F.pad(onehot, (0, module.embed_dim - width)))
+            values = onehot.repeat(1, module.num_kv_heads)  # (t, k e): every key head
+            out = self._run_again(call, F.pad(values, (0, module.embed_dim - values.shape[1])))
             per_row = rearrange(out, "... (h e) -> (...) h e", h=heads)[:, :, :stop - start]
             if per_row.shape[0] != rows.shape[0]:
                 raise Unsupported(f"the call's output has {per_row.shape[0]} rows for "
@@ -227,7 +228,7 @@ class Session:
 
     def _run_again(self, call: Call, rows: Tensor) -> Tensor:
         """The module's input to ``out_proj`` when it runs the call on ``rows`` with the
-        recorded q and k projections and the first e input columns, per key head, as v."""
+        recorded q and k projections and the first ``k e`` input columns as v."""
         module = call.module
         queue = {name: list(found) for name, found in call.projected.items()}
         captured: list[Tensor] = []
@@ -240,7 +241,7 @@ class Session:
             return forward
 
         def values(x: Tensor) -> Tensor:
-            return x[..., :module.head_dim].repeat(*(1,) * (x.dim() - 1), module.num_kv_heads)
+            return x[..., :module.num_kv_heads * module.head_dim]
 
         def out(x: Tensor) -> Tensor:
             captured.append(x)
