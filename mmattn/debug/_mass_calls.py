@@ -118,8 +118,8 @@ class Session:
         except Unsupported as why:
             call.skip = str(why)
             return
-        as_input = _input_form(module, query, offsets)
-        call.rerun = None if rerun is None else (lambda rows: rerun(as_input(rows)))
+        as_input, dtype = _input_form(module, query, offsets), query.dtype
+        call.rerun = None if rerun is None else (lambda rows: rerun(as_input(rows.to(dtype))))
 
     def _prepare(self, call: Call, module: nn.Module, query: Any, self_attention: bool,
                  key_padding_mask: Tensor | None, offsets: Tensor | None, cached: bool) -> None:
@@ -215,7 +215,7 @@ class Session:
         for start in range(0, count, width):  # head width e: e groups a run
             stop = min(count, start + width)
             cols = torch.where((group >= start) & (group < stop), group - start, width)
-            onehot = F.one_hot(cols, width + 1)[:, :width].to(like.dtype)  # (t, e)
+            onehot = F.one_hot(cols, width + 1)[:, :width].to(like.dtype)  # (t, e), exact
             values = onehot.repeat(1, module.num_kv_heads)  # (t, k e): every key head
             out = self._run_again(call, F.pad(values, (0, module.embed_dim - values.shape[1])))
             per_row = rearrange(out, "... (h e) -> (...) h e", h=heads)[:, :, :stop - start]
@@ -240,8 +240,10 @@ class Session:
                 return queue[name].pop(0)
             return forward
 
-        def values(x: Tensor) -> Tensor:
-            return x[..., :module.num_kv_heads * module.head_dim]
+        dtype = call.projected["k"][0].dtype if call.projected["k"] else rows.dtype
+
+        def values(x: Tensor) -> Tensor:  # as k_proj's output (autocast: half precision)
+            return x[..., :module.num_kv_heads * module.head_dim].to(dtype)
 
         def out(x: Tensor) -> Tensor:
             captured.append(x)
