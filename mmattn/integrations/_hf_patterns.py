@@ -52,8 +52,9 @@ from mmattn.kernels.packed import report as report_packed
 _MEMO = "_mmattn_patterns"
 
 
-def _memo(mask: Tensor, key: tuple, compute) -> Any:
-    """``compute()`` once per mask tensor (and in-place version), remembered on the tensor."""
+def memo(mask: Tensor, key: tuple, compute) -> Any:
+    """``compute()`` once per mask tensor (and in-place version), remembered on the tensor:
+    the proofs here and the block-sparse plan of :mod:`mmattn.integrations._hf_sparse`."""
     store = getattr(mask, _MEMO, None)
     if store is None or store[0] != mask._version:
         store = (mask._version, {})
@@ -79,7 +80,7 @@ def key_rows(mask: Tensor) -> Tensor:
     """
     if mask.dim() != 4 or mask.shape[-2] <= 1:
         return mask
-    same = _memo(mask, ("rows",), lambda: torch.equal(mask, mask[:, :, :1].expand_as(mask)))
+    same = memo(mask, ("rows",), lambda: torch.equal(mask, mask[:, :, :1].expand_as(mask)))
     return mask[:, :, :1] if same else mask
 
 
@@ -95,7 +96,7 @@ def window_pattern(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None]
     """
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2]:
         return None
-    return _memo(mask, ("window", window), lambda: _find_window(mask, window))
+    return memo(mask, ("window", window), lambda: _find_window(mask, window))
 
 
 def _find_window(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None] | None:
@@ -177,7 +178,7 @@ def packed_lengths(mask: Tensor, position_ids: Tensor) -> list[int] | None:
     if position_ids.shape[0] not in (1, mask.shape[0]):
         return None
     key = ("packed", tuple(position_ids.shape), position_ids.dtype, position_ids.device)
-    entry = _memo(mask, key, lambda: _PackedProof(mask, position_ids))
+    entry = memo(mask, key, lambda: _PackedProof(mask, position_ids))
     return entry.lengths(mask, position_ids)
 
 
@@ -298,8 +299,3 @@ def score_modifiers(
         )
     mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
     return mods if mods else None
-
-
-def heads_last(out: Tensor) -> Tensor:
-    """(b, h, i, e) → (b, i, h, e), contiguous: the layout transformers expects back."""
-    return rearrange(out, "b h i e -> b i h e").contiguous()

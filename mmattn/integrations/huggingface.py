@@ -36,11 +36,11 @@ import numbers
 from typing import Any
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn.integrations import _hf_patterns as _patterns
 from mmattn.integrations import _hf_sparse as _sparse
-from mmattn.integrations._hf_patterns import heads_last
 from mmattn.kernels import dense as _kernel
 
 #: The name :func:`register` uses by default.
@@ -254,6 +254,11 @@ def attention_forward(
         need_weights=need_weights, groups=groups, modifiers=mods,
     )
     return heads_last(out), weights
+
+
+def heads_last(out: Tensor) -> Tensor:
+    """(b, h, i, e) → (b, i, h, e), contiguous: the layout transformers expects back."""
+    return rearrange(out, "b h i e -> b i h e").contiguous()
 
 
 def _with_bias(

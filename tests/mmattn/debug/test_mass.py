@@ -290,3 +290,27 @@ def test_calls_it_cannot_measure_are_listed_and_nothing_left_raises():
 def test_bad_arguments_name_themselves(call, error, message):
     with pytest.raises(error, match=message):
         call(MultiHeadAttention(D, H), fused())
+
+
+def test_more_groups_than_the_head_width_and_a_sequence_first_layer():
+    """Seven segments on heads of width 4 take two runs of the layer (e groups a run); a
+    batch_first=False layer inside a model gets its stand-in input sequence first."""
+    ids = (torch.arange(20) // 3 % 2)[None].repeat(2, 1)
+    segments = torch.arange(20)[None].repeat(2, 1) // 3
+    meta = {"modality_ids": ids, "modalities": ["text", "image"], "segments": segments}
+    tokens = Tokens(torch.randn(2, 20, D), meta=meta)
+    layer = MultiHeadAttention(D, H, num_kv_heads=2, batch_first=False).eval()
+
+    class SequenceFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = layer
+
+        def forward(self, tokens):
+            return self.attn(tokens.x.transpose(0, 1))
+
+    mass = attention_mass(SequenceFirst(), tokens, by="segment")
+    assert len(mass.modalities) == 7 and layer.head_dim == 4
+    _, w = layer(tokens.x.transpose(0, 1), need_weights=True, average_attn_weights=False)
+    torch.testing.assert_close(mass.table[0].double(),
+                               reference(w, segments, ids >= 0, 7), atol=1e-5, rtol=0)
