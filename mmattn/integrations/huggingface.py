@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from mmattn.integrations import _hf_patterns as _patterns
 from mmattn.integrations import _hf_sparse as _sparse
+from mmattn.integrations import _hf_switch as _switch
 from mmattn.integrations._hf_patterns import heads_last
 from mmattn.kernels import dense as _kernel
 
@@ -73,15 +74,14 @@ def register(name: str = DEFAULT_NAME) -> str:
     """Register mmattn in transformers' attention and mask registries under ``name``.
 
     Afterwards ``model.set_attn_implementation(name)`` (or ``from_pretrained(...,
-    attn_implementation=name)``) runs every attention call of a model through
-    :func:`attention_forward`, with masks from :func:`attention_mask`. Registering again is
-    harmless.
+    attn_implementation=name)``) runs every attention call of a model, T5's nested stacks
+    too (:mod:`._hf_switch`), through :func:`attention_forward`, with masks from
+    :func:`attention_mask`. Registering again is harmless.
 
     Args:
-        name: the backend name. transformers gives special handling to names containing
-            ``"flash"``, ``"sdpa"`` or ``"flex_attention"``, starting with ``"paged|"``, or
-            shaped like a hub kernel (``"org/repo"``), and ``"eager"`` is its own fallback:
-            such names are refused.
+        name: the backend name; names transformers treats specially are refused (containing
+            ``"flash"``, ``"sdpa"`` or ``"flex_attention"``; ``"paged|..."``, hub kernels
+            ``"org/repo"``, its own fallback ``"eager"``).
 
     Returns:
         ``name``, to pass to ``set_attn_implementation``.
@@ -107,6 +107,7 @@ def register(name: str = DEFAULT_NAME) -> str:
         ) from error
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
+    _switch.install()
     return name
 
 
