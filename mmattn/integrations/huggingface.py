@@ -181,7 +181,8 @@ def attention_forward(
 
     Shape:
         - query: (b, h, i, e); key, value: (b, k, j, e)
-        - returns: (b, i, h, e), and the weights (b, h, i, j) when ``output_attentions``
+        - returns: (b, i, h, e), and the weights (b, h, i, j) when ``output_attentions``, in
+          the query's dtype as transformers' eager backend (also under autocast)
 
     Raises:
         TypeError: an unknown keyword argument; query, key and value not floating tensors
@@ -246,15 +247,14 @@ def attention_forward(
                 return heads_last(out), None
     sparse = _sparse.try_sparse(query, key, value, mask, mods, dropout_p=dropout, scale=scaling,
                                 need_weights=need_weights, groups=groups)
-    if sparse is not None:  # a bool mask whose 64-tiles are at least half empty
-        return heads_last(sparse[0]), sparse[1]
-    if mask is not None and mask.dtype == torch.bool:
+    if sparse is None and mask is not None and mask.dtype == torch.bool:
         mask = _patterns.key_rows(mask)
-    out, weights = _kernel.attend(
+    # sparse: a bool mask whose 64-tiles are at least half empty
+    out, weights = sparse if sparse is not None else _kernel.attend(
         query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling,
         need_weights=need_weights, groups=groups, modifiers=mods,
     )
-    return heads_last(out), weights
+    return heads_last(out), None if weights is None else weights.to(query.dtype)
 
 
 def _with_bias(

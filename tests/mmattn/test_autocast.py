@@ -19,6 +19,7 @@ from mmattn import (
 )
 from mmattn import patterns as P
 from mmattn.functional import fused_attn
+from mmattn.integrations import huggingface as hf
 from mmattn.kernels import dense as _kernel
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -173,3 +174,14 @@ def test_every_kernel_returns_float32_weights_where_autocast_softmax_is_float32(
     weights = weights if isinstance(weights, list) else [weights]
     assert out.dtype == torch.bfloat16
     assert {w.dtype for w in weights} == {torch.float32}
+
+
+def test_hf_backend_weights_keep_the_query_dtype_as_transformers_eager(monkeypatch):
+    """transformers' eager backend casts its float32 softmax to the query's dtype; so does
+    the backend, also where the kernels' weights are float32 (CUDA autocast, emulated)."""
+    monkeypatch.setattr(_kernel, "weights_dtype",
+                        lambda v: torch.float32 if torch.is_autocast_enabled("cpu") else v.dtype)
+    q, k, v = (torch.randn(2, 4, 6, 8).bfloat16() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, weights = hf.attention_forward(nn.Module(), q, k, v, None, output_attentions=True)
+    assert out.dtype == weights.dtype == torch.bfloat16
