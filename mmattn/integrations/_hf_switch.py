@@ -1,11 +1,12 @@
 """``set_attn_implementation`` reaches every nested model, on every transformers 5.x.
 
-transformers up to at least 5.17 skips, when a model switches backend, each nested
-``PreTrainedModel`` whose config is of the top config's class: it takes it for the top model
-itself (``ForCausalLM`` around its ``Model``). T5 gives its encoder and decoder stacks their
-own *copies* of that config, so ``T5ForConditionalGeneration.set_attn_implementation("mmattn")``
-left every attention layer on the backend the model was built with: 0 calls reached mmattn,
-on any device. 5.23 compares the configs by identity and reaches them. A model built with
+transformers before 5.20 (read in 5.17 to 5.19, run on 5.17) skips, when a model switches
+backend, each nested ``PreTrainedModel`` whose config is of the top config's class: it takes
+it for the top model itself (``ForCausalLM`` around its ``Model``). T5 gives its encoder and
+decoder stacks their own *copies* of that config, so
+``T5ForConditionalGeneration.set_attn_implementation("mmattn")`` left every attention layer
+on the backend the model was built with: 0 calls reached mmattn, on any device. 5.20 and
+later compare the configs by identity and reach them. A model built with
 ``attn_implementation=`` (``from_pretrained``, ``_from_config``) is right on both: the
 stacks copy the config after the backend is set.
 
@@ -13,7 +14,7 @@ stacks copy the config after the backend is set.
 ``PreTrainedModel.set_attn_implementation`` once: after transformers' own work, every
 nested model with its own config of the top config's class gets the backend transformers
 gives a nested model (``get_correct_attn_implementation`` of the requested name). Where
-transformers already did so (5.23) the wrapper changes nothing. A ``dict`` request (one
+transformers already did so (5.20+) the wrapper changes nothing. A ``dict`` request (one
 backend per sub-config) is transformers' alone.
 """
 
