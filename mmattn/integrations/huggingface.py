@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from mmattn.integrations import _hf_patterns as _patterns
 from mmattn.integrations import _hf_sparse as _sparse
+from mmattn.integrations import _hf_switch as _switch
 from mmattn.kernels import dense as _kernel
 
 #: The name :func:`register` uses by default.
@@ -73,15 +74,14 @@ def register(name: str = DEFAULT_NAME) -> str:
     """Register mmattn in transformers' attention and mask registries under ``name``.
 
     Afterwards ``model.set_attn_implementation(name)`` (or ``from_pretrained(...,
-    attn_implementation=name)``) runs every attention call of a model through
-    :func:`attention_forward`, with masks from :func:`attention_mask`. Registering again is
-    harmless.
+    attn_implementation=name)``) runs every attention call of a model, T5's nested stacks
+    too (:mod:`._hf_switch`), through :func:`attention_forward`, with masks from
+    :func:`attention_mask`. Registering again is harmless.
 
     Args:
-        name: the backend name. transformers gives special handling to names containing
-            ``"flash"``, ``"sdpa"`` or ``"flex_attention"``, starting with ``"paged|"``, or
-            shaped like a hub kernel (``"org/repo"``), and ``"eager"`` is its own fallback:
-            such names are refused.
+        name: the backend name; names transformers treats specially are refused (containing
+            ``"flash"``, ``"sdpa"`` or ``"flex_attention"``; ``"paged|..."``, hub kernels
+            ``"org/repo"``, its own fallback ``"eager"``).
 
     Returns:
         ``name``, to pass to ``set_attn_implementation``.
@@ -107,6 +107,7 @@ def register(name: str = DEFAULT_NAME) -> str:
         ) from error
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
+    _switch.install()
     return name
 
 
@@ -180,7 +181,8 @@ def attention_forward(
 
     Shape:
         - query: (b, h, i, e); key, value: (b, k, j, e)
-        - returns: (b, i, h, e), and the weights (b, h, i, j) when ``output_attentions``
+        - returns: (b, i, h, e), and the weights (b, h, i, j) when ``output_attentions``, in
+          the query's dtype as transformers' eager backend (also under autocast)
 
     Raises:
         TypeError: an unknown keyword argument; query, key and value not floating tensors
@@ -245,15 +247,14 @@ def attention_forward(
                 return heads_last(out), None
     sparse = _sparse.try_sparse(query, key, value, mask, mods, dropout_p=dropout, scale=scaling,
                                 need_weights=need_weights, groups=groups)
-    if sparse is not None:  # a bool mask whose 64-tiles are at least half empty
-        return heads_last(sparse[0]), sparse[1]
-    if mask is not None and mask.dtype == torch.bool:
+    if sparse is None and mask is not None and mask.dtype == torch.bool:
         mask = _patterns.key_rows(mask)
-    out, weights = _kernel.attend(
+    # sparse: a bool mask whose 64-tiles are at least half empty
+    out, weights = sparse if sparse is not None else _kernel.attend(
         query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling,
         need_weights=need_weights, groups=groups, modifiers=mods,
     )
-    return heads_last(out), weights
+    return heads_last(out), None if weights is None else weights.to(query.dtype)
 
 
 def heads_last(out: Tensor) -> Tensor:
