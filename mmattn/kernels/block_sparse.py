@@ -200,7 +200,7 @@ def _buckets(q2: Tensor, k2: Tensor, v2: Tensor, plan: TilePlan, call: Call, q: 
     outs, weights = [], None
     if need_weights:
         count = padded // s
-        weights = q.new_zeros(batch, count, count, heads, s, s, dtype=_dense.weights_dtype(v))
+        weights = q.new_zeros(batch, count, count, heads, s, s, dtype=_dense.weights_dtype(v2))
     for bucket, qb, kb, vb in zip(plan.buckets, qg, kg, vg):
         tiles, width = bucket.tiles, bucket.count * s
         qb = qb.view(tiles, s, heads, -1).transpose(1, 2)
