@@ -1,0 +1,100 @@
+"""Issue 36 (hardening, fourth pass), the calls: items 3, 5, 6, 9, 10, 12 and 13.
+
+Each test failed on main before its fix. References are naive float64 computations written
+here from the docs (softmax over the allowed keys, ALiBi's −m_h·|i − j| with Press et al.'s
+slopes, the chunked rule by a loop over pairs), or torch's own SDPA where the contract is
+"as torch does".
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mmattn import MultiHeadAttention, Tokens
+from mmattn import patterns as P
+from mmattn.functional import fused_attn
+
+D, H = 16, 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread spares thread start-up and contention (restored)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def chunked_allowed(length: int, chunk: int, left: int) -> torch.Tensor:
+    """(L, L) bool, True = may attend: ``q // c - left <= k // c <= q // c``, by a loop."""
+    return torch.tensor([[q // chunk - left <= k // chunk <= q // chunk for k in range(length)]
+                         for q in range(length)])
+
+
+def reference_layer(module, x, allowed, slopes=None):
+    """The module's projections and a float64 softmax over ``allowed`` (L, L), with ALiBi
+    ``−slopes[h]·|i − j|`` when given; a row with no allowed key gives 0."""
+    p = {k: t.double() for k, t in module.state_dict().items()}
+    b, n, d = x.shape
+    e = d // H
+    x = x.double()
+
+    def heads(t):
+        return t.reshape(b, n, H, e).transpose(1, 2)
+
+    q, k, v = (heads(x @ p[f"{w}_proj.weight"].T + p[f"{w}_proj.bias"]) for w in "qkv")
+    scores = q @ k.transpose(-1, -2) / math.sqrt(e)
+    if slopes is not None:
+        dist = (torch.arange(n)[:, None] - torch.arange(n)[None]).abs().double()
+        scores = scores - torch.tensor(slopes, dtype=torch.float64)[:, None, None] * dist
+    scores = scores.masked_fill(~allowed, -math.inf)
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    out = (weights @ v).transpose(1, 2).reshape(b, n, d)
+    return out @ p["out_proj.weight"].T + p["out_proj.bias"]
+
+
+def assert_close(got, want):
+    """float32 against float64: relative to the reference's size."""
+    scale = want.abs().max().item() + 1e-12
+    err = (got.double() - want).abs().max().item()
+    assert err <= 1e-5 * scale, f"max error {err:.3g} at scale {scale:.3g}"
+
+
+# ---------------------------------------------------------------- item 3: key != query length
+
+
+@pytest.mark.parametrize("left", [0, 1])
+def test_chunk_cache_refuses_a_key_of_another_length_than_the_query(left):
+    m = MultiHeadAttention(D, H).eval()
+    x = torch.randn(2, 4, D)
+    cache = m.make_cache(2, chunk=4, left=left)
+    with pytest.raises(ValueError, match=r"key holds 3 tokens but query holds 4"):
+        m(x, x[:, :3], cache=cache)
+    assert len(cache) == 0  # refused before the cache moved
+    out, _ = m(x, cache=cache)  # the stream goes on as if the bad call never happened
+    assert out.shape == (2, 4, D)
+
+
+# ---------------------------------------------------------------- item 13: ALiBi streams
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("left", [0, 1, 2])
+def test_alibi_streams_through_a_chunk_cache_as_the_whole_clip(left, fused):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(D, H, alibi=True).eval()
+    chunk, length = 4, 14  # the last chunk is shorter
+    x = torch.randn(2, length, D)
+    slopes = [2.0 ** (-8.0 * (h + 1) / H) for h in range(H)]  # Press et al., H a power of 2
+    want = reference_layer(m, x, chunked_allowed(length, chunk, left), slopes)
+    with fused_attn(fused), torch.no_grad():
+        cache = m.make_cache(2, chunk=chunk, left=left)
+        got = torch.cat([m(x[:, s:s + chunk], cache=cache)[0]
+                         for s in range(0, length, chunk)], 1)
+        whole = m(x, attn_mask=P.chunked(chunk, left=left).compile(Tokens(x)))[0]
+    assert_close(got, want)
+    assert_close(whole, want)
