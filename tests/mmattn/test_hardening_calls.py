@@ -98,3 +98,35 @@ def test_alibi_streams_through_a_chunk_cache_as_the_whole_clip(left, fused):
         whole = m(x, attn_mask=P.chunked(chunk, left=left).compile(Tokens(x)))[0]
     assert_close(got, want)
     assert_close(whole, want)
+
+
+# ---------------------------------------------------------------- item 6: empty sizes, block-sparse
+
+EMPTY = [(0, 5), (2, 0), (0, 0)]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize(("batch", "length"), EMPTY, ids=[f"B{b}-L{n}" for b, n in EMPTY])
+def test_a_sparse_mask_on_empty_sizes_gives_the_empty_result(batch, length, fused):
+    x = torch.randn(batch, length, D, requires_grad=True)
+    m = MultiHeadAttention(D, H, num_kv_heads=2)
+    with fused_attn(fused):
+        out, weights = m(x, attn_mask=P.causal().compile(Tokens(x)), need_weights=True,
+                         average_attn_weights=False)
+    assert out.shape == (batch, length, D) and weights.shape == (batch, H, length, length)
+    out.sum().backward()  # attached to autograd, zero gradients (docs/edge_cases.md)
+    assert torch.equal(m.q_proj.weight.grad, torch.zeros(D, D))
+
+
+@pytest.mark.parametrize(("batch", "length"), EMPTY, ids=[f"B{b}-L{n}" for b, n in EMPTY])
+@pytest.mark.parametrize("pattern", [P.causal(), P.chunked(2, left=1), ~P.window(1),
+                                     P.same("documents") & P.causal()], ids=str)
+def test_blocks_with_pattern_on_empty_sizes_give_the_empty_result(pattern, batch, length):
+    from mmattn import Encoder, TransformerBlock
+
+    meta = {"documents": torch.zeros(batch, length, dtype=torch.long)}
+    tokens = Tokens(torch.randn(batch, length, D), None, meta)
+    for model in (TransformerBlock(D, H, pattern=pattern), Encoder(D, H, 2, pattern=pattern)):
+        out = model(tokens)
+        assert out.x.shape == (batch, length, D)
+        out.x.sum().backward()
