@@ -130,3 +130,38 @@ def test_blocks_with_pattern_on_empty_sizes_give_the_empty_result(pattern, batch
         out = model(tokens)
         assert out.x.shape == (batch, length, D)
         out.x.sum().backward()
+
+
+# ---------------------------------------------------------------- item 12: (L, E) inputs to SDPA
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("case", ["plain", "bool", "float", "causal", "scale", "cross"])
+def test_functional_sdpa_takes_two_dimensional_inputs_as_torch_does(case, fused):
+    from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
+
+    from mmattn.functional import scaled_dot_product_attention
+
+    torch.manual_seed(0)
+    length, keys = 5, (7 if case == "cross" else 5)
+    q, k, v = torch.randn(length, 8), torch.randn(keys, 8), torch.randn(keys, 6)
+    kwargs = {}
+    if case == "bool":
+        kwargs["attn_mask"] = torch.rand(length, keys) > 0.3
+        kwargs["attn_mask"][:, 0] = True  # torch gives NaN for a row without keys; mmattn 0
+    elif case == "float":
+        kwargs["attn_mask"] = torch.randn(length, keys)
+    elif case == "causal":
+        kwargs["is_causal"] = True
+    elif case == "scale":
+        kwargs["scale"] = 0.3
+    want = torch_sdpa(q.double(), k.double(), v.double(),
+                      **{n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                             else t) for n, t in kwargs.items()})
+    with fused_attn(fused):
+        got = scaled_dot_product_attention(q, k, v, **kwargs)
+        out, weights = scaled_dot_product_attention(q, k, v, **kwargs, need_weights=True)
+    assert got.shape == want.shape == (length, 6) and weights.shape == (length, keys)
+    assert_close(got, want)
+    assert_close(out, want)
+    assert_close(weights @ v, want)
