@@ -165,3 +165,58 @@ def test_functional_sdpa_takes_two_dimensional_inputs_as_torch_does(case, fused)
     assert_close(got, want)
     assert_close(out, want)
     assert_close(weights @ v, want)
+
+
+# ---------------------------------------------------------------- item 10: a block streams
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize(("chunk", "left", "padded"), [(3, 1, False), (3, 1, True),
+                                                       (4, 0, True), (2, 3, False)])
+def test_a_block_built_with_chunked_streams_as_the_whole_clip(chunk, left, padded, fused):
+    from mmattn import TransformerBlock
+
+    torch.manual_seed(0)
+    block = TransformerBlock(D, H, pattern=P.chunked(chunk, left=left)).eval()
+    length = 11
+    x = torch.randn(2, length, D)
+    real = torch.ones(2, length, dtype=torch.bool)
+    if padded:
+        real[1, 7:] = False
+    # the reference: the block's attention by hand on the chunked rule (float64), then its
+    # residual, norm and MLP on the float64 result
+    allowed = chunked_allowed(length, chunk, left) & real[:, None, :] & real[:, :, None]
+    with torch.no_grad():
+        h = block.norm1(x.masked_fill(~real[..., None], 0.0))
+        y = x.masked_fill(~real[..., None], 0.0).double() + reference_layer(
+            block.attn, h, allowed[:, None])
+        want = (y + block.mlp.double()(block.norm2.double()(y))).masked_fill(
+            ~real[..., None], 0.0)
+        block.float()
+        with fused_attn(fused):
+            cache = block.attn.make_cache(2, chunk=chunk, left=left)
+            got = torch.cat([block(Tokens(x[:, s:s + chunk], real[:, s:s + chunk]),
+                                   cache=cache).x for s in range(0, length, chunk)], 1)
+            whole = block(Tokens(x, real)).x
+    assert len(cache) == length
+    assert_close(got, want)
+    assert_close(whole, want)
+
+
+def test_a_block_refuses_a_cache_that_disagrees_with_its_pattern():
+    from mmattn import TransformerBlock
+
+    block = TransformerBlock(D, H, pattern=P.chunked(3, left=1)).eval()
+    tokens = Tokens(torch.randn(2, 3, D))
+    for chunk, left in ((4, 1), (3, 0), (3, 2)):
+        with pytest.raises(ValueError, match=rf"chunk={chunk}, left={left}, but the block's "
+                                             r"pattern is chunked\(3, left=1"):
+            block(tokens, cache=block.attn.make_cache(2, chunk=chunk, left=left))
+    with pytest.raises(TypeError, match=r"cache must be a ChunkCache .* got KVCache"):
+        block(tokens, cache=block.attn.make_cache(2, 8))
+    other = TransformerBlock(D, H, pattern=P.causal()).eval()
+    with pytest.raises(ValueError, match=r"alone .*pattern=causal\(\)"):
+        other(tokens, cache=other.attn.make_cache(2, chunk=3, left=1))
+    causal = TransformerBlock(D, H, causal=True, pattern=P.chunked(3, left=1)).eval()
+    with pytest.raises(ValueError, match=r"needs causal=False"):
+        causal(tokens, cache=causal.attn.make_cache(2, chunk=3, left=1))
