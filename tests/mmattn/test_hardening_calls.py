@@ -220,3 +220,38 @@ def test_a_block_refuses_a_cache_that_disagrees_with_its_pattern():
     causal = TransformerBlock(D, H, causal=True, pattern=P.chunked(3, left=1)).eval()
     with pytest.raises(ValueError, match=r"needs causal=False"):
         causal(tokens, cache=causal.attn.make_cache(2, chunk=3, left=1))
+
+
+# ---------------------------------------------------------------- item 9: timm norm names
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "layernorm", "rms_norm"])
+def test_timm_attention_takes_a_norm_layer_name_as_timms_models_do(name):
+    timm_layers = pytest.importorskip("timm.layers")
+    from mmattn.integrations.timm import Attention
+
+    # timm's own resolution of the name, used to build timm's module as the reference
+    layer = timm_layers.get_norm_layer(name)
+    kwargs = {"qk_norm": True, "scale_norm": True, "qkv_bias": True}
+    torch.manual_seed(0)
+    ours = Attention(D, H, norm_layer=name, **kwargs).eval()
+    torch.manual_seed(0)
+    theirs = timm_layers.Attention(D, H, norm_layer=layer, **kwargs).eval()
+    assert type(ours.q_norm) is type(theirs.q_norm) is layer
+    assert type(ours.norm) is layer
+    for (n1, t1), (n2, t2) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert n1 == n2 and torch.equal(t1, t2)
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        want = theirs(x).double()  # timm in float32: relative 1e-5 of its size
+        assert_close(ours(x), want)
+
+
+def test_timm_attention_names_a_bad_norm_layer():
+    pytest.importorskip("timm")
+    from mmattn.integrations.timm import Attention
+
+    with pytest.raises(ValueError, match=r"norm_layer='nope' is not a norm layer name"):
+        Attention(D, H, qk_norm=True, norm_layer="nope")
+    with pytest.raises(TypeError, match=r"norm_layer must be a norm constructor .* got int"):
+        Attention(D, H, qk_norm=True, norm_layer=3)
