@@ -255,3 +255,50 @@ def test_timm_attention_names_a_bad_norm_layer():
         Attention(D, H, qk_norm=True, norm_layer="nope")
     with pytest.raises(TypeError, match=r"norm_layer must be a norm constructor .* got int"):
         Attention(D, H, qk_norm=True, norm_layer=3)
+
+
+# ---------------------------------------------------------------- item 5: s_aux checked
+
+
+def _sink_reference(q, k, v, sinks):
+    """softmax over the keys plus one zero-valued key of score sinks[h] (float64)."""
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    sink = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return (weights @ v).transpose(1, 2)  # (b, i, h, e), as transformers expects back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_hf_s_aux_of_a_float_dtype_is_the_sink_logit(dtype):
+    from torch import nn
+
+    from mmattn.integrations.huggingface import attention_forward
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.is_causal = False
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    sinks = torch.randn(4).to(dtype)
+    out, _ = attention_forward(module, q, k, v, None, s_aux=sinks)
+    assert_close(out, _sink_reference(q, k, v, sinks))
+
+
+def test_hf_s_aux_of_a_wrong_kind_dtype_or_device_is_named():
+    from torch import nn
+
+    from mmattn.integrations.huggingface import attention_forward
+
+    module = nn.Module()
+    module.is_causal = False
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    for bad, got in ((torch.zeros(4, dtype=torch.long), "torch.int64"),
+                     (torch.zeros(4, dtype=torch.bool), "torch.bool"), ([0.0] * 4, "list")):
+        with pytest.raises(TypeError, match=rf"s_aux .*floating tensor .* got {got}"):
+            attention_forward(module, q, k, v, None, s_aux=bad)
+    with pytest.raises(ValueError, match=r"s_aux .* on device meta but query is on device cpu"):
+        attention_forward(module, q, k, v, None, s_aux=torch.zeros(4, device="meta"))
+    with pytest.raises(ValueError, match=r"s_aux .* shape \(4,\), got \(1, 4\)"):
+        attention_forward(module, q, k, v, None, s_aux=torch.zeros(1, 4))
