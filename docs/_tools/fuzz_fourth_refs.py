@@ -46,9 +46,10 @@ def attend(q, k, v, allowed, sinks=None, softcap=None, alibi=None, q_pos=None, k
                 s = torch.stack([q[n, m, r] @ k[n, m, j] for j in keys]) / math.sqrt(e)
                 if softcap is not None:
                     s = softcap * torch.tanh(s / softcap)
-                if alibi is not None:
-                    s = s - alibi[m] * torch.tensor([abs(q_pos[r] - k_pos[j]) for j in keys],
-                                                    dtype=torch.float64)
+                if alibi is not None:  # |i - j| on a sequence, Euclidean between cells
+                    s = s - alibi[m] * torch.tensor([math.dist(*(
+                        (a,) if isinstance(a, int) else a for a in (q_pos[r], k_pos[j])))
+                        for j in keys], dtype=torch.float64)
                 top = s.max() if sinks is None else torch.maximum(s.max(), sinks[m].double())
                 w = torch.exp(s - top)
                 total = w.sum() + (0.0 if sinks is None else torch.exp(sinks[m].double() - top))
@@ -57,16 +58,19 @@ def attend(q, k, v, allowed, sinks=None, softcap=None, alibi=None, q_pos=None, k
     return out, weights
 
 
-def layer_ref(module, x, allowed, **mods):
-    """MultiHeadAttention's projections around :func:`attend`; ``allowed`` (b, 1, i, j)."""
+def layer_ref(module, x, allowed, context=None, **mods):
+    """MultiHeadAttention's projections around :func:`attend`; ``allowed`` (b, 1, i, j);
+    keys and values from ``context`` (default ``x``)."""
     p = {name: t.double() for name, t in module.state_dict().items()}
     b, n, _ = x.shape
     x = x.double()
+    context = x if context is None else context.double()
 
     def heads(t):
-        return t.reshape(b, n, H, D // H).transpose(1, 2)
+        return t.reshape(b, t.shape[1], H, D // H).transpose(1, 2)
 
-    q, k, v = (heads(x @ p[f"{w}_proj.weight"].T + p[f"{w}_proj.bias"]) for w in "qkv")
+    q = heads(x @ p["q_proj.weight"].T + p["q_proj.bias"])
+    k, v = (heads(context @ p[f"{w}_proj.weight"].T + p[f"{w}_proj.bias"]) for w in "kv")
     sinks = None if getattr(module, "sinks", None) is None else module.sinks.detach()
     alibi = slopes(H) if getattr(module, "alibi_slopes", None) is not None else None
     out, weights = attend(q, k, v, allowed, sinks=sinks, softcap=module.softcap, alibi=alibi,

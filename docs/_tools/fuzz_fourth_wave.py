@@ -263,6 +263,20 @@ class FourthWave:
             f.valid(f"{tag} LocalAttention w={w} {mods} B={b} L={n}",
                     lambda: local(x, key_padding_mask=pad)[0],
                     lambda: layer_ref(local, x, keys & band)[0].float())
+            rows, cols, size = r.randint(1, 3), r.randint(1, 3), r.choice([1, 3])
+            grid = [(i // cols, i % cols) for i in range(rows * cols)]
+            xs = f.randn(b, rows * cols, D)
+            nbhd = with_sinks(mmattn.NeighborhoodAttention(D, H, size, **mods).eval(), f)
+            f.valid(f"{tag} NeighborhoodAttention {rows}x{cols} k={size} {mods}",
+                    lambda: nbhd(xs, grid=(rows, cols))[0],
+                    lambda: layer_ref(nbhd, xs, base.nbhd_allowed(rows, cols, size)[None, None],
+                                      q_pos=grid, k_pos=grid)[0].float())
+            cross_mods = dict(mods, alibi=False)  # two sequences: no distance
+            cross = with_sinks(mmattn.CrossAttention(D, H, **cross_mods).eval(), f)
+            ctx = f.randn(b, r.randint(1, 5), D)
+            f.valid(f"{tag} CrossAttention {cross_mods}", lambda: cross(x, ctx, ctx)[0],
+                    lambda: layer_ref(cross, x, torch.ones(1, 1, 1, 1, dtype=torch.bool),
+                                      context=ctx)[0].float())
             f.valid(f"{tag} MHA need_weights {mods}",
                     lambda: layer(x, key_padding_mask=pad, need_weights=True,
                                   average_attn_weights=False)[1],
