@@ -124,10 +124,10 @@ class Scene:
             self.names = ("text", "image")
             ids = [[r.choice([-1, 0, 0, 1, 1]) for _ in range(self.length)] for _ in range(batch)]
             self.modality = ids
-            self.segment = [runs(row) for row in ids]
             self.meta.update(modality_ids=torch.tensor(ids, dtype=torch.long).reshape(
                 batch, self.length), modalities=list(self.names))
-            if r.random() < 0.7:
+            if r.random() < 0.7:  # without them: no segments (patterns do not guess runs)
+                self.segment = [runs(row) for row in ids]
                 self.meta["segments"] = torch.tensor(self.segment, dtype=torch.long).reshape(
                     batch, self.length)
         else:
@@ -190,7 +190,7 @@ def primitive(fuzz, scene, what=None):
     r = fuzz.rng
     options = ["full", "causal", "window", "same", "edges", "chunked"]
     if scene.names:
-        options += ["modality", "modality", "per_modality"]
+        options += ["modality", "modality"] + (["per_modality"] if scene.segment else [])
     if scene.grid is not None:
         options.append("neighborhood")
     what = what or r.choice(options)

@@ -132,6 +132,8 @@ class FourthWave:
              "modalities"),
             ("no modality facts", run(text, {}), "spans", "modality_ids"),
             # segments
+            ("per_modality without segments", run(per, {"modality_ids": ids,
+                                                        "modalities": ["text"]}), "segments"),
             ("segments float", run(per, {"modality_ids": ids, "modalities": ["text"],
                                          "segments": ids.float()}), "segments"),
             ("segments shape", run(per, {"modality_ids": ids, "modalities": ["text"],
