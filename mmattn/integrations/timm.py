@@ -56,6 +56,7 @@ __all__ = [
 
 TimmAttention = _timm_layers.Attention
 
+
 def _norm_layer(norm_layer: object) -> type[nn.Module] | None:
     """``norm_layer`` as a constructor: a name (``"LayerNorm"``, ``"rmsnorm"``, as timm's
     models take it) resolved by timm's own ``get_norm_layer`` where this timm has it.
@@ -64,7 +65,7 @@ def _norm_layer(norm_layer: object) -> type[nn.Module] | None:
         ValueError: a name timm does not know (or a timm without ``get_norm_layer``).
         TypeError: neither None, a name nor a callable.
     """
-    if norm_layer is None or callable(norm_layer) and not isinstance(norm_layer, str):
+    if norm_layer is None or callable(norm_layer):
         return norm_layer
     if not isinstance(norm_layer, str):
         raise TypeError(
