@@ -116,7 +116,6 @@ class FourthWave:
             ("spans per-item B+1 [item 8]", run(text, {"spans": {"text": (
                 torch.zeros(b + 1, dtype=torch.long), torch.ones(b + 1, dtype=torch.long))}}),
              "spans"),
-            ("spans name int [item 8]", run(per, {"spans": {0: (0, n)}}), "spans"),
             # modality ids
             ("modality_ids float", run(text, {"modality_ids": ids.float(),
                                               "modalities": ["text"]}), "modality_ids"),
