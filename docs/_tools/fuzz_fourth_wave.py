@@ -5,8 +5,8 @@ streaming caches, attention mass.
 
 Run alone it fuzzes only these surfaces; ``docs/_tools/fuzz_api.py`` runs them with the
 rest of the public API. The classes are fuzz_api's (ok / named / opaque / silent / refused /
-hang). The references are written here from the docs, in float64 loops, never from the
-library's helpers:
+hang). The references (``fuzz_fourth_refs.py`` beside this file) are written from the
+docs, in float64 loops, never from the library's helpers:
 
 - a pattern's allowed pairs by a loop over (b, q, k) from docs/patterns.md's table
   (primitives, ``& | ~``, ``per_modality``; padding never attended), token attributes read
