@@ -283,19 +283,38 @@ def run_packed(
 
 
 def score_modifiers(
-    who: str, heads: int, s_aux: Tensor | None, softcap: float | None
+    who: str, query: Tensor, s_aux: object, softcap: float | None
 ) -> Modifiers | None:
     """gpt-oss's sinks (``s_aux``) and Gemma 2's cap as the kernels' score modifiers (None:
     neither); ``softcap`` was checked with the other inputs (a number > 0).
 
+    ``s_aux`` is one logit per query head of ``query`` (b, h, i, e): a floating tensor of
+    shape (h,) on query's device, of any floating dtype (under autocast a float32 sink
+    parameter meets bf16 queries). Its values are not read (no host sync): ``-inf`` is a sink
+    that takes nothing, NaN gives NaN rows as in transformers' eager path.
+
     Raises:
-        ValueError: ``s_aux`` is not one logit per query head, shape (h,).
+        TypeError: ``s_aux`` is not a tensor, or not of a floating dtype.
+        ValueError: ``s_aux`` is not one logit per query head, shape (h,), or lies on
+            another device than query.
     """
-    if s_aux is not None and (not isinstance(s_aux, Tensor) or s_aux.shape != (heads,)):
-        got = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
-        raise ValueError(
-            f"{who}: s_aux (attention sinks) must be one logit per query head, shape "
-            f"({heads},), got {got}"
-        )
+    if s_aux is not None:
+        heads = query.shape[1]
+        if not isinstance(s_aux, Tensor) or not s_aux.is_floating_point():
+            got = s_aux.dtype if isinstance(s_aux, Tensor) else type(s_aux).__name__
+            raise TypeError(
+                f"{who}: s_aux (attention sinks) must be a floating tensor of one logit per "
+                f"query head, shape ({heads},), got {got}"
+            )
+        if s_aux.shape != (heads,):
+            raise ValueError(
+                f"{who}: s_aux (attention sinks) must be one logit per query head, shape "
+                f"({heads},), got {tuple(s_aux.shape)}"
+            )
+        if s_aux.device != query.device:
+            raise ValueError(
+                f"{who}: s_aux (attention sinks) is on device {s_aux.device} but query is "
+                f"on device {query.device}"
+            )
     mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
     return mods if mods else None

@@ -188,9 +188,9 @@ def attention_forward(
         TypeError: an unknown keyword argument; query, key and value not floating tensors
             of one dtype; a mask (or ``position_bias``) that is not a tensor, or neither bool
             nor float in query's dtype or float32 (an integer 0/1 mask is refused, not added);
-            ``dropout``, ``scaling`` or ``softcap`` not a number.
+            ``dropout``, ``scaling`` or ``softcap`` not a number; ``s_aux`` not a float tensor.
         ValueError: an argument mmattn cannot honour (a paged cache, ...), an ``s_aux`` that
-            is not one logit per query head;
+            is not one logit per query head or not on query's device;
             tensors not (b, h, l, e), on different devices, of different batch sizes, head
             widths or key/value lengths; head counts that do not divide; a mask that does not
             broadcast to (b, h, i, j); ``dropout`` outside [0, 1); a NaN or infinite
@@ -226,7 +226,7 @@ def attention_forward(
     if position_bias is not None:
         mask = _with_bias(position_bias, mask, causal, q_len, key.shape[-2])
         causal = False
-    mods = _patterns.score_modifiers(_who(module), query.shape[1], s_aux, softcap)
+    mods = _patterns.score_modifiers(_who(module), query, s_aux, softcap)
     if not need_weights and mask is not None and mask.dtype == torch.bool and q_len == k_len:
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, Tensor) and sliding_window is None:
