@@ -7,9 +7,10 @@ Each case is one ``LocalAttention`` layer (eval mode, fp32, B=1, one torch threa
 fused Tokens of two modalities:
 
 - ``spans``: text then image (``Tokens.cat``: 1/4 text, 3/4 image), the usual fused
-  sequence; only the tiles at the border mix the modalities;
+  sequence;
 - ``interleaved``: ``meta["modality_ids"]`` switching modality every 48 tokens, so that every
-  tile mixes them and every score is recomputed (the worst case).
+  tile mixes them (the mass is one more attention call of the layer, with the one-hot
+  modalities as values: both layouts cost the same).
 
 Contenders, interleaved and timed by process CPU time (medians of repeats,
 benchmarks/_harness.py), all under ``torch.no_grad()``:

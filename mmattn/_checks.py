@@ -365,3 +365,21 @@ def _grid_side(value: object) -> object:
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
         return int(value)  # numpy.int64 and friends
     return value
+
+
+def check_names(name: str, value: object) -> tuple[str, ...]:
+    """A list or tuple of names (``meta["modalities"]``), as a tuple of str.
+
+    Raises TypeError for one str (``tuple("text")`` would be four one-letter names) or any
+    other non-sequence, and for a name that is not a str.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{name} must be a list or tuple of names (str), got {type(value).__name__} "
+            f"{value!r}; wrap a single name: [{value!r}]"
+        )
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            raise TypeError(f"{name}[{index}] must be a str, got {type(item).__name__} {item!r}")
+    return tuple(value)
+

@@ -160,6 +160,17 @@ class ChunkCache(BufferCache):
                 "must hold exactly chunk tokens; reset() the cache to start a new stream"
             )
 
+    def check_self(self, query_len: int, key_len: int) -> None:
+        """Raise ValueError unless a call's key holds the query's tokens: a chunk attends
+        itself, so its keys and queries are the same ``length`` tokens (the cache would
+        otherwise keep keys for positions no query had, and shift every later chunk)."""
+        if key_len != query_len:
+            raise ValueError(
+                f"key holds {key_len} tokens but query holds {query_len}: with a ChunkCache "
+                "a chunk attends itself, so key and value must be the chunk's own tokens "
+                "(the same length as query; omit them for self-attention)"
+            )
+
     def _check_step(self, k: Tensor, v: Tensor) -> None:
         want = (self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim)
         got = (k.shape[0], k.shape[1], k.shape[-1], v.shape[-1])

@@ -167,7 +167,8 @@ def scaled_dot_product_attention(
         need_weights: also return the (post-dropout) attention weights.
 
     Shape:
-        - query: (..., L, E); key: (..., S, E); value: (..., S, Ev)
+        - query: (..., L, E); key: (..., S, E); value: (..., S, Ev); ``...`` may be empty
+          ((L, E) inputs, as torch's SDPA takes them)
         - returns: (..., L, Ev), and weights (..., L, S) when ``need_weights``.
 
     Raises:
@@ -190,6 +191,9 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         attn_mask = _check_attn_mask(attn_mask, query, key)
     _check_options(dropout_p, is_causal, scale)
+    single = query.dim() == 2  # (L, E), as torch's SDPA takes: one head of one sequence
+    if single:
+        query, key, value = query[None], key[None], value[None]
     out, weights = attend(
         query,
         key,
@@ -200,6 +204,8 @@ def scaled_dot_product_attention(
         scale=scale,
         need_weights=need_weights,
     )
+    if single:
+        out, weights = out[0], None if weights is None else weights[0]
     return (out, weights) if need_weights else out
 
 

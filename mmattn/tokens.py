@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmattn import _jagged, _pytree
+from mmattn import _jagged, _pytree, _token_meta
 from mmattn._checks import (
     check_has_data,
     check_matches_params,
@@ -176,7 +176,10 @@ class Tokens:
 
         Each sequence keeps its real tokens in order; padding is dropped, wherever it sits.
         A ``meta["edge_index"]`` (graph edges in the flat token order) follows the tokens to
-        their packed rows; edges touching padding are dropped.
+        their packed rows; edges touching padding are dropped. ``meta["spans"]`` become
+        per-item (B,) bounds around each span's real tokens, and every (B, L) tensor of
+        ``meta`` (``modality_ids``, ``segments``, ids) is moved to the (B, max lᵢ) positions
+        of ``unpack()`` (docs/packed.md).
 
         Shape:
             - returns: Tokens with x (B, l*, D) jagged, ``lengths`` as before, mask None
@@ -198,7 +201,10 @@ class Tokens:
             values = self.x[self.mask]
             lengths = self.mask.sum(dim=1)
         offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-        meta = _edges_to_packed(self.meta, self.full_mask())
+        meta = self.meta
+        if self.mask is not None:  # without padding every position stays where it is
+            meta = _token_meta.to_packed(meta, self.mask)
+        meta = _edges_to_packed(meta, self.full_mask())
         return Tokens(_jagged.jagged(values, offsets), None, meta)
 
     def unpack(self) -> Tokens:

@@ -7,7 +7,8 @@ inside a function (a lazy import that dodges a cycle still counts) or under
 itself. A second test imports ``mmattn`` in a fresh interpreter and checks that no module is
 loaded twice. The layering rules of the tree (docs/concepts.md) are checked here too: kernels
 import no layer, layers import no block, no class is recognised by its name string, and no
-file is longer than 450 lines.
+file is longer than 600 lines (about 450 stays the size at which a file is reviewed for two
+concepts).
 """
 
 from __future__ import annotations
@@ -175,10 +176,12 @@ def _graph_of(sources: dict[str, str]) -> dict[str, set[str]]:
     return graph
 
 
-MAX_LINES = 450
+#: The hard limit; about 450 lines stays the size at which a file is reviewed for holding two
+#: concepts (STYLE.md), and only a file that is one concept grows past it.
+MAX_LINES = 600
 
 
-def test_no_file_is_over_450_lines():
+def test_no_file_is_over_the_line_limit():
     long = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):

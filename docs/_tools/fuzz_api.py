@@ -19,6 +19,8 @@ helpers of ``mmattn.masks``, on both paths (``fused_attn(True)`` and ``(False)``
 - ``hang``: no answer within ``--timeout`` seconds.
 
 The exit status is 1 when any case is silent, refused or a hang, or more than 5 are opaque.
+The fourth wave's surfaces (patterns, modifiers, streaming, mass) are in
+``fuzz_fourth_wave.py`` beside this file, run here too (alone: run that file).
 """
 
 from __future__ import annotations
@@ -564,7 +566,9 @@ class Fuzz:
             self.invalid(f"{tag} helpers {name}", fn, *names)
 
 
-def main() -> int:
+def main(fourth_only: bool = False) -> int:
+    from fuzz_fourth_wave import FourthWave  # beside this file; imports this module
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=40)
@@ -575,6 +579,7 @@ def main() -> int:
     fuzz = Fuzz(args.seed, args.timeout, args.verbose)
     subjects = (fuzz.sdpa, fuzz.local, fuzz.nbhd, fuzz.edges, fuzz.mha, fuzz.cross,
                 fuzz.packed_rows, fuzz.hf_entry, fuzz.decode, fuzz.helpers)
+    subjects = (() if fourth_only else subjects) + FourthWave(fuzz).subjects()
     for rnd in range(args.rounds):
         for fused in (True, False):
             with MF.fused_attn(fused):

@@ -56,6 +56,8 @@ def cached_step(
         - returns: (b, h, i, e) and weights (b, h, i, j), or None
     """
     cache.check_batch("query", q.shape[0])
+    if isinstance(cache, ChunkCache):
+        cache.check_self(q.shape[2], key.shape[1])
     if isinstance(cache, ContextCache):
         k = v = mask = None
         if not cache.filled:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn.cache import ContextCache, KVCache, LocalKVCache
+from mmattn.cache import ChunkCache, ContextCache, KVCache, LocalKVCache
 from mmattn.kernels.modifiers import Modifiers, alibi_slopes, sequence_positions
 
 
@@ -126,7 +126,10 @@ def step_modifiers(
 
     A :class:`~mmattn.cache.KVCache` returns keys at positions ``0 .. keys - 1`` and the new
     queries sit at the last ``new`` positions written; a :class:`~mmattn.cache.LocalKVCache`
-    returns its ring (``ring``: its positions before the step) and then the new keys.
+    returns its ring (``ring``: its positions before the step) and then the new keys; a
+    :class:`~mmattn.cache.ChunkCache` returns its ``left * chunk`` slots, which hold the
+    tokens just before the chunk (every chunk but the last is full), and then the chunk
+    (slots not filled yet sit at negative positions; the cache's mask hides them).
 
     Raises:
         ValueError: ALiBi with a cache whose key positions are not known here.
@@ -134,7 +137,7 @@ def step_modifiers(
     mods = score_modifiers(module)
     if mods is None or mods.slopes is None or isinstance(cache, ContextCache):
         return mods
-    if not isinstance(cache, (KVCache, LocalKVCache)):
+    if not isinstance(cache, (KVCache, LocalKVCache, ChunkCache)):
         raise ValueError(
             f"alibi=True is not supported with a {type(cache).__name__}: its key positions "
             "are not known to the ALiBi term"
@@ -143,4 +146,6 @@ def step_modifiers(
     queries = sequence_positions(new, device, cache.size - new)  # size: after the update
     if isinstance(cache, KVCache):
         return mods.at(queries, sequence_positions(keys, device))
+    if isinstance(cache, ChunkCache):
+        return mods.at(queries, sequence_positions(keys, device, cache.size - keys))
     return mods.at(queries, torch.cat([ring[:, None], queries]))

@@ -240,6 +240,8 @@ def _item_weights(module, bucket_weights, buckets, q_lens, k_lens, extra, like) 
     projected = module._packed_weights_width()  # Linformer: weights over its slots
     heads = module.num_heads
     maps: list[Tensor | None] = [None] * len(q_lens)
+    # the kernels' weights dtype (float32 under CUDA autocast), also for items without keys
+    dtype = bucket_weights[0][1].dtype if bucket_weights else like.dtype
     for index, w in bucket_weights:
         bucket = buckets[index]
         for slot, m in enumerate(bucket.items):
@@ -250,5 +252,5 @@ def _item_weights(module, bucket_weights, buckets, q_lens, k_lens, extra, like) 
     for m, found in enumerate(maps):
         if found is None:  # no query or no key: nothing attended
             width = projected if projected is not None else k_lens[m] + extra
-            maps[m] = like.new_zeros(heads, q_lens[m], width)
+            maps[m] = like.new_zeros(heads, q_lens[m], width, dtype=dtype)
     return maps

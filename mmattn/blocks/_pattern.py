@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from mmattn._chunk_cache import ChunkCache, check_no_look_ahead
 from mmattn._helpers import exporting
 from mmattn.attention._sparse import is_sparse_mask
 from mmattn.patterns import Pattern, SparseMask
@@ -71,13 +72,48 @@ def on_padded(tokens: Tokens, run: Callable[[Tokens], Tokens]) -> Tokens:
 
 
 def block_forward(block: nn.Module, tokens: Tokens, attn_mask: Any, cache: Any) -> Tokens:
-    """``TransformerBlock.forward`` with ``pattern=`` or a SparseMask ``attn_mask``."""
+    """``TransformerBlock.forward`` with ``pattern=`` or a SparseMask ``attn_mask``; with
+    ``cache`` (a block built with ``P.chunked``) one chunk of a stream."""
     if cache is not None:
-        raise ValueError("cache= does not take pattern= or a SparseMask attn_mask yet")
+        if is_sparse_mask(attn_mask):
+            raise ValueError("attn_mask: a SparseMask does not take cache= (the cache builds "
+                             "the mask)")
+        check_stream(block, cache)
+        return block._padded(tokens, attn_mask, cache=cache)
     if block.pattern is not None:
         mask = compile_for(block.pattern, tokens, attn_mask, block.causal)
         return on_padded(tokens, lambda t: block._padded(t, mask, own=True))
     return on_padded(tokens, lambda t: block._padded(t, attn_mask))
+
+
+def check_stream(block: nn.Module, cache: Any) -> None:
+    """Raise unless ``cache`` streams ``block``'s pattern: a ChunkCache of its ``P.chunked``
+    rule (the same ``chunk`` and ``left``) on a non-causal block."""
+    pattern = block.pattern
+    if not all(hasattr(pattern, name) for name in ("chunk", "left", "right")):
+        raise ValueError(
+            f"cache= streams a block built with pattern=P.chunked(chunk, left=...) alone (a "
+            f"cache keeps the last left chunks; other patterns may attend anywhere), got "
+            f"pattern={pattern!r}"
+        )
+    if block.causal:
+        raise ValueError(
+            "cache= with pattern=P.chunked(...) needs causal=False: a chunk cache attends "
+            "each chunk both ways, the causal rule inside a chunk it does not keep"
+        )
+    check_no_look_ahead(pattern.right)
+    if not isinstance(cache, ChunkCache):
+        raise TypeError(
+            f"cache must be a ChunkCache from block.attn.make_cache(batch_size, "
+            f"chunk={pattern.chunk}, left={pattern.left}) for pattern={pattern!r}, got "
+            f"{type(cache).__name__}"
+        )
+    if (cache.chunk, cache.left) != (pattern.chunk, pattern.left):
+        raise ValueError(
+            f"cache was made with chunk={cache.chunk}, left={cache.left}, but the block's "
+            f"pattern is {pattern!r}; make it with block.attn.make_cache(batch_size, "
+            f"chunk={pattern.chunk}, left={pattern.left})"
+        )
 
 
 def encoder_forward(encoder: nn.Module, tokens: Tokens, attn_mask: Any) -> Tokens:

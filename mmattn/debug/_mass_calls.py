@@ -1,47 +1,70 @@
-"""The machinery of :func:`mmattn.debug.attention_mass` and :func:`~mmattn.debug.top_keys`.
+"""The machinery of :func:`mmattn.debug.attention_mass` and :func:`~mmattn.debug.top_keys`:
+recording the attention calls of one run, and measuring them.
 
-Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``G`` groups (one
-more, the last, for "no group": padding, appended keys), ``k`` top keys.
+Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``d`` model width,
+``e`` head width, ``M`` groups.
 
 A :class:`Session` puts hooks on the model: every module's forward pre-hook notes the
 :class:`~mmattn.tokens.Tokens` it was given (so an attention call finds the Tokens, and
 their modality facts, of its block), and every mmattn attention module's forward (and its
-``attend_rows``, which blocks call for packed Tokens) opens a :class:`Call`. A kernel path
-listener receives each kernel report of the call, turns it into exact weight tiles
-(:mod:`._mass_views`) and adds them to the call's :class:`Tally`: per-group sums and the
-running top keys. Nothing is kept of a tile once it is added.
+``attend_rows``, which blocks call for packed Tokens) opens a :class:`Call`, which keeps how
+to run that call again and the outputs of its ``q_proj`` and ``k_proj``.
+
+The mass of a call is an attention call (DESIGN, "One implementation of each kernel's
+math"): when the call returns, the module runs it once more with the values replaced by the
+one-hot groups of the keys (``e`` groups at a time, padded with zero columns; the same for
+every key head) and its recorded q and k. So whatever kernel, engine and score modifiers
+the call took compute it: a sink's share goes nowhere (its value is zero), appended
+``bias_k`` / zero keys take theirs (``bias_v`` is zero then), dead rows give zero. A query's
+output row is its weight on each group. No weight is formed here, and the model's own call
+runs as it would without it (the second run is in eval mode: it draws no dropout).
+
+Top keys need the scores themselves: a kernel path listener receives each kernel report of
+the call, turns it into tiles (:mod:`._mass_views`) and keeps the best keys of each row
+(:class:`~._mass_tally.Tally`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn._helpers import exporting
-from mmattn._jagged import contiguous_parts, is_jagged
+from mmattn._jagged import contiguous_parts, is_jagged, jagged
 from mmattn.attention.mha import MultiHeadAttention
-from mmattn.debug import _mass_views as views
 from mmattn.debug._mass_groups import Layout, token_groups
 from mmattn.debug._mass_tally import Tally, Unsupported
-from mmattn.debug._mass_terms import neighborhood_terms
 from mmattn.tokens import Tokens
 
 
 @dataclass
 class Call:
-    """One attention module call: its name, tokens, groups and tally (or why skipped)."""
+    """One attention module call: its name, tokens and groups, how to run it again (or why
+    it is skipped), and what was measured: ``sums`` (h, M, M) or the top keys' ``tally``."""
 
     name: str
+    module: nn.Module | None = None
     layout: Layout | None = None
     names: list[str] = field(default_factory=list)
+    group: Tensor | None = None  # (t,) the group of every token, -1: none
+    rerun: Callable[[Tensor], Any] | None = None  # the call on other (t, d) input rows
+    projected: dict[str, list[Tensor]] = field(default_factory=lambda: {"q": [], "k": []})
+    sums: Tensor | None = None
     tally: Tally | None = None
     skip: str | None = None
+
+    def counts(self) -> Tensor:
+        """(M,) real query tokens of every group."""
+        real = torch.where(self.layout.real, self.group, -1)
+        return torch.bincount(real[real >= 0], minlength=len(self.names))
 
 
 def _padded_form(packed: Layout, padded: Layout) -> bool:
@@ -71,7 +94,7 @@ def _first_tokens(args: tuple, kwargs: dict) -> Tokens | None:
 
 
 class Session:
-    """Hooks, the Tokens stack and the listener of one attention_mass / top_keys run."""
+    """Hooks, the Tokens stack and the calls of one attention_mass / top_keys run."""
 
     def __init__(self, by: str | None, topk: int | None, block: int | None) -> None:
         self.by, self.topk, self.block = by, topk, block
@@ -79,20 +102,24 @@ class Session:
         self.skipped: list[tuple[str, str]] = []
         self.tokens: list[Tokens | None] = []
         self.active: list[Call] = []
+        self.replaying = False
         self._layouts: dict[int, tuple[Tokens, Layout]] = {}  # the Tokens kept: ids stay valid
         self._group_cache: dict[tuple, tuple[dict, Any]] = {}
 
     # -------------------------------------------------------------- opening calls
 
     def open(self, name: str, module: nn.Module, query: Any, self_attention: bool,
-             key_padding_mask: Tensor | None, offsets: Tensor | None = None,
-             cached: bool = False) -> None:
-        call = Call(name)
+             key_padding_mask: Tensor | None, rerun: Callable[[Any], Any] | None,
+             offsets: Tensor | None = None, cached: bool = False) -> None:
+        call = Call(name, module)
         self.active.append(call)
         try:
             self._prepare(call, module, query, self_attention, key_padding_mask, offsets, cached)
         except Unsupported as why:
             call.skip = str(why)
+            return
+        as_input, dtype = _input_form(module, query, offsets), query.dtype
+        call.rerun = None if rerun is None else (lambda rows: rerun(as_input(rows.to(dtype))))
 
     def _prepare(self, call: Call, module: nn.Module, query: Any, self_attention: bool,
                  key_padding_mask: Tensor | None, offsets: Tensor | None, cached: bool) -> None:
@@ -135,9 +162,10 @@ class Session:
         if self.by is not None and groups is None:
             raise Unsupported("its Tokens carry no modality facts (meta['spans'] or "
                               "meta['modality_ids'] with meta['modalities'])")
-        names, group = groups if groups is not None else ([], None)
-        call.layout, call.names = layout, names
-        call.tally = Tally(layout, group, len(names), self.topk)
+        call.layout = layout
+        call.names, call.group = groups if groups is not None else ([], None)
+        if self.topk is not None:
+            call.tally = Tally(layout, self.topk)
 
     def _layout(self, tokens: Tokens) -> Layout:
         """The layout of Tokens, once per Tokens object (the blocks share theirs)."""
@@ -153,112 +181,118 @@ class Session:
                                                                 self.by or "modality"))
         return self._group_cache[key][1]
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         call = self.active.pop()
+        if call.skip is None and self.by is not None and not failed:
+            try:
+                with torch.no_grad():
+                    call.sums = self._measure(call)
+            except Unsupported as why:
+                call.skip = str(why)
+            except (RuntimeError, ValueError, TypeError) as error:
+                call.skip = f"its second run (the groups as values) failed: {error}"
+        call.projected = {}
         if call.skip is not None:
             self.skipped.append((call.name, call.skip))
-        elif call.tally is not None and call.tally.sums is not None:
+        elif call.sums is not None or (call.tally is not None and call.tally.top is not None):
             self.calls.append(call)
         else:
-            self.skipped.append((call.name, "no kernel report (nothing attended)"))
+            self.skipped.append((call.name, "nothing attended"))
+
+    # -------------------------------------------------------------- the mass: a second call
+
+    def _measure(self, call: Call) -> Tensor:
+        """(h, M, M) float64: over the real queries of group m, the summed weight on the keys
+        of group n, from the module run on the one-hot groups as values."""
+        module, group, count = call.module, call.group, len(call.names)
+        width, heads = module.head_dim, module.num_heads
+        if not call.projected["q"] or call.rerun is None:
+            raise Unsupported("the call projected no queries (nothing attended)")
+        like = call.projected["q"][0]
+        rows = torch.where(call.layout.real, group, -1)
+        keep = rows >= 0
+        sums = torch.zeros(heads, count, count, dtype=torch.float64, device=like.device)
+        for start in range(0, count, width):  # head width e: e groups a run
+            stop = min(count, start + width)
+            cols = torch.where((group >= start) & (group < stop), group - start, width)
+            onehot = F.one_hot(cols, width + 1)[:, :width].to(like.dtype)  # (t, e), exact
+            values = onehot.repeat(1, module.num_kv_heads)  # (t, k e): every key head
+            out = self._run_again(call, F.pad(values, (0, module.embed_dim - values.shape[1])))
+            per_row = rearrange(out, "... (h e) -> (...) h e", h=heads)[:, :, :stop - start]
+            if per_row.shape[0] != rows.shape[0]:
+                raise Unsupported(f"the call's output has {per_row.shape[0]} rows for "
+                                  f"{rows.shape[0]} tokens")
+            sums[:, :, start:stop].index_add_(1, rows[keep],
+                                              per_row[keep].transpose(0, 1).double())
+        return sums
+
+    def _run_again(self, call: Call, rows: Tensor) -> Tensor:
+        """The module's input to ``out_proj`` when it runs the call on ``rows`` with the
+        recorded q and k projections and the first ``k e`` input columns as v."""
+        module = call.module
+        queue = {name: list(found) for name, found in call.projected.items()}
+        captured: list[Tensor] = []
+
+        def recorded(name: str):
+            def forward(x: Tensor) -> Tensor:
+                if not queue[name]:
+                    raise Unsupported(f"the second run projected {name} more often")
+                return queue[name].pop(0)
+            return forward
+
+        dtype = call.projected["k"][0].dtype if call.projected["k"] else rows.dtype
+
+        def values(x: Tensor) -> Tensor:  # as k_proj's output (autocast: half precision)
+            return x[..., :module.num_kv_heads * module.head_dim].to(dtype)
+
+        def out(x: Tensor) -> Tensor:
+            captured.append(x)
+            return x
+
+        swaps = {module.q_proj: recorded("q"), module.k_proj: recorded("k"),
+                 module.v_proj: values, module.out_proj: out}
+        with self._second_run(module, swaps):
+            call.rerun(rows)
+        if not captured:
+            raise Unsupported("the second run did not reach out_proj")
+        return captured[-1]
+
+    @contextmanager
+    def _second_run(self, module: nn.Module, swaps: dict) -> Iterator[None]:
+        """Projections swapped, eval mode (no dropout), ``bias_v`` zero, no hook of ours."""
+        training, bias_v = module.training, getattr(module, "bias_v", None)
+        saved = None if bias_v is None else bias_v.data
+        for proj, forward in swaps.items():
+            proj.forward = forward
+        module.training, self.replaying = False, True
+        if bias_v is not None:
+            bias_v.data = torch.zeros_like(saved)
+        try:
+            yield
+        finally:
+            for proj in swaps:
+                del proj.forward
+            module.training, self.replaying = training, False
+            if bias_v is not None:
+                bias_v.data = saved
 
     # -------------------------------------------------------------- reports
 
     def listener(self, record: dict) -> None:
+        if self.replaying:
+            return
         if not self.active:
             self.skipped.append(("", f"a {record['path']} kernel call outside an mmattn "
                                      "attention module"))
             return
         call = self.active[-1]
-        if call.skip is not None:
+        if call.skip is not None or call.tally is None:
             return
         try:
             with torch.no_grad():
-                kind, tiles = self._tiles(record, call)
-                for tile in tiles:
-                    if kind == "edges":
-                        call.tally.edges(*tile)
-                    else:
-                        call.tally.rows(tile)
+                call.tally.feed(record, self.block)
         except Unsupported as why:
             call.skip = str(why)
-
-    def _slots(self, record: dict, call: Call, q: Tensor) -> views.Slots:
-        layout = call.layout
-        starts, lengths = layout.offsets[:-1], layout.lengths
-        if "items" in record:  # a packed bucket: slot n is item items[n]
-            items = torch.tensor(record["items"], dtype=torch.long, device=starts.device)
-            starts, lengths = starts[items], lengths[items]
-        elif q.shape[0] != layout.batch or q.shape[2] != layout.length:
-            raise Unsupported(f"a kernel call of shape {tuple(q.shape)} on tokens "
-                              f"{(layout.batch, layout.length)}")
-        return views.Slots(starts, lengths, starts, lengths)
-
-    def _tiles(self, record: dict, call: Call) -> tuple[str, Iterator]:
-        path, block = record["path"], self.block
-        q, k = record.get("q"), record.get("k")
-        if path == "local":  # its blocks and slabs; "inputs" are the tensors before blocking
-            if "inputs" not in record:  # an empty sequence or batch: nothing attended
-                return "rows", iter(())
-            slots = self._slots(record, call, record["inputs"][0])
-            return "rows", views.band_tiles(record, slots)
-        if (record.get("modifiers") or record.get("position_bias") is not None) and (
-            path not in ("local", "fused", "explicit", "chunked", "packed", "neighborhood",
-                         "block-sparse", "edge", "edge-explicit")
-        ):
-            raise Unsupported(f"score modifiers on the {path!r} kernel are not applied by "
-                              "attention_mass")
-        if path == "neighborhood":
-            return "rows", self._neighborhood(record, call)
-        if path == "block-sparse" and "plan" in record:
-            layout = call.layout
-            if not torch.equal(layout.offsets.cpu(),
-                               torch.arange(layout.batch + 1) * layout.length):
-                raise Unsupported("a block-sparse call on packed tokens")
-            return "rows", views.sparse_tiles(record)
-        if path in ("edge", "edge-explicit") and "src" in record:
-            w = views.edge_weights(q, k, record["src"], record["dst"], record.get("bias"),
-                                   record.get("scale"), **views.modifiers_of(record))
-            return "edges", iter([(w, record["dst"], record["src"])])
-        if path == "packed" and record.get("kernel") == "jagged-sdpa":
-            return "rows", self._jagged(record, call)
-        if path in ("fused", "explicit", "chunked") or (
-            path == "packed" and record.get("kernel") == "buckets"
-        ):
-            return "rows", views.dense_tiles(
-                q, k, record.get("mask"), self._slots(record, call, q),
-                is_causal=bool(record.get("is_causal")), scale=record.get("scale"),
-                block=block or 64, score_weight=record.get("score_weight"),
-                **views.modifiers_of(record),
-            )
-        raise Unsupported(f"the {path!r} kernel path is not known to attention_mass")
-
-    def _neighborhood(self, record: dict, call: Call) -> Iterator:
-        from mmattn.kernels.neighborhood import build_plan, choose_tiles, padded_items
-
-        q, k, key_mask = record["q"], record["k"], record.get("mask")
-        plan, items = record.get("plan"), record.get("items")
-        if plan is None:  # the padded form: a plan over every item of the batch
-            batch, _, length, _ = q.shape
-            kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
-            items = padded_items(batch, length, record["grid"],
-                                 num_global_tokens=record["num_global_tokens"],
-                                 grid_start=record["grid_start"])
-            tiles = choose_tiles(items, kernel, dilation)
-            plan = build_plan(batch * length, items, kernel, dilation, tiles, q.device)
-            q, k = (rearrange(t, "b h l e -> (b l) h e") for t in (q, k))
-            key_mask = None if key_mask is None else key_mask.reshape(-1)
-        return views.plan_tiles(q, k, key_mask, plan, scale=record.get("scale"),
-                                **neighborhood_terms(record, items, q.shape[0], q))
-
-    def _jagged(self, record: dict, call: Call) -> Iterator:
-        starts, lengths = call.layout.offsets[:-1], call.layout.lengths
-        for m, (qm, km) in enumerate(zip(record["q"].unbind(), record["k"].unbind())):
-            slots = views.Slots(starts[m:m + 1], lengths[m:m + 1], starts[m:m + 1],
-                                lengths[m:m + 1])
-            yield from views.dense_tiles(qm[None], km[None], None, slots,
-                                         is_causal=bool(record.get("is_causal")),
-                                         block=self.block or 64)
 
     # -------------------------------------------------------------- hooks
 
@@ -267,10 +301,11 @@ class Session:
         patched = []
 
         def push(module, args, kwargs):
-            self.tokens.append(_first_tokens(args, kwargs))
+            if not self.replaying:
+                self.tokens.append(_first_tokens(args, kwargs))
 
         def pop(module, args, kwargs, output):
-            if self.tokens:
+            if self.tokens and not self.replaying:
                 self.tokens.pop()
 
         for name, module in model.named_modules():
@@ -284,32 +319,87 @@ class Session:
             (lambda m=m: m.__dict__.pop("attend_rows", None)) for m in patched
         ]
 
+    def _record(self, module: nn.Module, name: str):
+        def hook(proj, args, output):
+            if self.active and not self.replaying and self.active[-1].module is module:
+                found = self.active[-1].projected
+                if name in found:
+                    found[name].append(output)
+        return hook
+
     def _attention_hooks(self, name: str, module: MultiHeadAttention) -> list:
         signature = inspect.signature(module.forward)
 
         def pre(mod, args, kwargs):
+            if self.replaying:
+                return
             try:
                 bound = signature.bind(*args, **kwargs).arguments
             except TypeError:  # the forward itself will say what is wrong
-                self.open(name, mod, None, False, None)
+                self.open(name, mod, None, False, None, None)
                 return
             query, key = bound.get("query"), bound.get("key")
-            self.open(name, mod, query, key is None or key is query,
-                      bound.get("key_padding_mask"), cached=bound.get("cache") is not None)
+            self_attention = key is None or key is query
+            self.open(name, mod, query, self_attention, bound.get("key_padding_mask"),
+                      _again(mod.forward, signature, bound) if self_attention else None,
+                      cached=bound.get("cache") is not None)
 
         def post(mod, args, kwargs, output):
-            if self.active:
-                self.close()
+            if self.active and not self.replaying:
+                self.close(failed=output is None)  # None: the forward raised
 
-        return [module.register_forward_pre_hook(pre, with_kwargs=True),
-                module.register_forward_hook(post, with_kwargs=True, always_call=True)]
+        hooks = [module.register_forward_pre_hook(pre, with_kwargs=True),
+                 module.register_forward_hook(post, with_kwargs=True, always_call=True)]
+        if self.by is not None:
+            hooks += [module.q_proj.register_forward_hook(self._record(module, "q")),
+                      module.k_proj.register_forward_hook(self._record(module, "k"))]
+        return hooks
 
     def _rows_wrapper(self, name: str, module: MultiHeadAttention, rows):
         def attend_rows(qv, q_off, kv, k_off, vv, *, self_attention=False, **kwargs):
-            self.open(name, module, qv, bool(self_attention), None, offsets=q_off)
-            try:
+            if self.replaying:
                 return rows(qv, q_off, kv, k_off, vv, self_attention=self_attention, **kwargs)
+
+            def again(x):
+                return rows(x, q_off, x, k_off, x, self_attention=True, **kwargs)
+
+            self.open(name, module, qv, bool(self_attention), None, again, offsets=q_off)
+            failed = True
+            try:
+                out = rows(qv, q_off, kv, k_off, vv, self_attention=self_attention, **kwargs)
+                failed = False
+                return out
             finally:
-                self.close()
+                self.close(failed)
 
         return attend_rows
+
+
+def _again(forward, signature: inspect.Signature, bound: dict):
+    """The forward call of ``bound`` again, on another query (and key and value, which were
+    the query or None), without weights."""
+    def run(x):
+        args = dict(bound)
+        for name in ("query", "key", "value"):
+            if name == "query" or args.get(name) is bound["query"]:
+                args[name] = x
+        if "need_weights" in signature.parameters:
+            args["need_weights"] = False
+        again = signature.bind_partial()
+        again.arguments.update(args)
+        return forward(*again.args, **again.kwargs)
+    return run
+
+
+def _input_form(module: nn.Module, query: Any, offsets: Tensor | None):
+    """(t, d) flat rows -> the form of ``query``: packed rows, jagged, (B, L, d), (L, B, d)
+    or (L, d)."""
+    if offsets is not None:
+        return lambda rows: rows
+    if is_jagged(query):
+        found = contiguous_parts(query)[1]
+        return lambda rows: jagged(rows, found)
+    shape = tuple(query.shape[:-1])
+    if query.dim() == 3 and not module.batch_first:
+        return lambda rows: rows.view(shape[1], shape[0], -1).transpose(0, 1)
+    return lambda rows: rows.view(*shape, -1)

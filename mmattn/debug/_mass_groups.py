@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mmattn._checks import check_names
 from mmattn._jagged import contiguous_parts, owners
 from mmattn.tokens import Tokens
 
@@ -130,7 +131,7 @@ def token_groups(tokens: Tokens, layout: Layout, by: str) -> tuple[list[str], Te
             raise ValueError(
                 "meta['modality_ids'] indexes meta['modalities'] (the names), which is missing"
             )
-        names = [str(name) for name in meta["modalities"]]
+        names = list(check_names("meta['modalities']", meta["modalities"]))
         modality = _flat(meta["modality_ids"], layout, "modality_ids")
         if modality.numel() and int(modality.max()) >= len(names):
             raise ValueError(

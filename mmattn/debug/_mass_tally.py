@@ -1,13 +1,16 @@
-"""Per-group weight sums and running top keys of one attention call, fed tile by tile.
+"""The running top keys of one attention call, fed kernel report by kernel report.
 
 Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``n`` slots of a
-tile, ``r`` its query rows, ``j`` its key columns, ``G`` groups (one more, the last, for
-"no group": padding, appended keys), ``k`` top keys, ``E`` edges.
+tile, ``r`` its query rows, ``j`` its key columns, ``k`` top keys, ``E`` edges.
+
+Each kernel report of the call (:func:`mmattn.kernels.dense.add_listener`) becomes the
+tiles the kernel runs (:mod:`._mass_views`): their weights come from the kernels' own
+explicit path, and only the k best keys of each row are kept.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -16,63 +19,119 @@ from torch import Tensor
 
 from mmattn.debug import _mass_views as views
 from mmattn.debug._mass_groups import Layout
-from mmattn.kernels import dense as _kernel
+from mmattn.debug._mass_terms import neighborhood_terms
+from mmattn.debug._mass_views import Unsupported
 
-
-class Unsupported(Exception):
-    """A report this module cannot turn into weights (the call is then skipped)."""
+__all__ = ["Tally", "Unsupported"]
 
 
 class Tally:
-    """Per-group weight sums and the top keys of one call, fed tile by tile."""
+    """The running top keys of one call, fed tile by tile."""
 
-    def __init__(self, layout: Layout, group: Tensor | None, num_groups: int, topk: int | None):
-        self.layout, self.num_groups, self.topk = layout, num_groups, topk
-        none = num_groups
-        if group is None:
-            group = torch.full_like(layout.pos, -1)
-        self.k_group = torch.where(group >= 0, group, none)
-        self.q_group = torch.where((group >= 0) & layout.real, group, none)
-        self.sums: Tensor | None = None  # (h, G + 1, G + 1) float64
+    def __init__(self, layout: Layout, topk: int) -> None:
+        self.layout, self.topk = layout, topk
         self.top: tuple[Tensor, Tensor] | None = None  # (b, h, l, k) weights and indices
 
-    def counts(self) -> Tensor:
-        """(G,) real query tokens of every group."""
-        return torch.bincount(self.q_group, minlength=self.num_groups + 1)[: self.num_groups]
-
     def _start(self, heads: int, like: Tensor) -> None:
-        groups = self.num_groups + 1
-        if self.sums is None:
-            self.sums = torch.zeros(heads, groups, groups, dtype=torch.float64, device=like.device)
-        if self.topk and self.top is None:
+        if self.top is None:
             shape = (self.layout.batch, heads, self.layout.length, self.topk)
             self.top = (torch.zeros(shape, device=like.device),
                         torch.full(shape, -1, dtype=torch.long, device=like.device))
-        if self.sums.shape[0] != heads:
-            raise Unsupported(f"the call's kernels disagree on heads ({self.sums.shape[0]}, "
+        if self.top[0].shape[1] != heads:
+            raise Unsupported(f"the call's kernels disagree on heads ({self.top[0].shape[1]}, "
                               f"{heads})")
+
+    def feed(self, record: dict, block: int | None) -> None:
+        """Add a kernel report of the call: its tiles (or edges) of query rows."""
+        kind, tiles = self._tiles(record, block)
+        for tile in tiles:
+            if kind == "edges":
+                self.edges(*tile)
+            else:
+                self.rows(tile)
+
+    def _slots(self, record: dict, q: Tensor) -> views.Slots:
+        layout = self.layout
+        starts, lengths = layout.offsets[:-1], layout.lengths
+        if "items" in record:  # a packed bucket: slot n is item items[n]
+            items = torch.tensor(record["items"], dtype=torch.long, device=starts.device)
+            starts, lengths = starts[items], lengths[items]
+        elif q.shape[0] != layout.batch or q.shape[2] != layout.length:
+            raise Unsupported(f"a kernel call of shape {tuple(q.shape)} on tokens "
+                              f"{(layout.batch, layout.length)}")
+        return views.Slots(starts, lengths, starts, lengths)
+
+    def _tiles(self, record: dict, block: int | None) -> tuple[str, Iterator]:
+        path = record["path"]
+        q, k = record.get("q"), record.get("k")
+        if path == "local":  # its blocks and slabs; "inputs" are the tensors before blocking
+            if "inputs" not in record:  # an empty sequence or batch: nothing attended
+                return "rows", iter(())
+            slots = self._slots(record, record["inputs"][0])
+            return "rows", views.band_tiles(record, slots)
+        if (record.get("modifiers") or record.get("position_bias") is not None) and (
+            path not in ("local", "fused", "explicit", "chunked", "packed", "neighborhood",
+                         "block-sparse", "edge", "edge-explicit")
+        ):
+            raise Unsupported(f"score modifiers on the {path!r} kernel are not applied by "
+                              "attention_mass")
+        if path == "neighborhood":
+            return "rows", self._neighborhood(record)
+        if path == "block-sparse" and "plan" in record:
+            layout = self.layout
+            if not torch.equal(layout.offsets.cpu(),
+                               torch.arange(layout.batch + 1) * layout.length):
+                raise Unsupported("a block-sparse call on packed tokens")
+            return "rows", views.sparse_tiles(record)
+        if path in ("edge", "edge-explicit") and "src" in record:
+            w = views.edge_weights(q, k, record["src"], record["dst"], record.get("bias"),
+                                   record.get("scale"), **views.modifiers_of(record))
+            return "edges", iter([(w, record["dst"], record["src"])])
+        if path == "packed" and record.get("kernel") == "jagged-sdpa":
+            return "rows", self._jagged(record, block)
+        if path in ("fused", "explicit", "chunked") or (
+            path == "packed" and record.get("kernel") == "buckets"
+        ):
+            return "rows", views.dense_tiles(
+                q, k, record.get("mask"), self._slots(record, q),
+                is_causal=bool(record.get("is_causal")), scale=record.get("scale"),
+                block=block or 64, score_weight=record.get("score_weight"),
+                **views.modifiers_of(record),
+            )
+        raise Unsupported(f"the {path!r} kernel path is not known to attention_mass")
+
+    def _neighborhood(self, record: dict) -> Iterator:
+        from mmattn.kernels.neighborhood import build_plan, choose_tiles, padded_items
+
+        q, k, key_mask = record["q"], record["k"], record.get("mask")
+        plan, items = record.get("plan"), record.get("items")
+        if plan is None:  # the padded form: a plan over every item of the batch
+            batch, _, length, _ = q.shape
+            kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
+            items = padded_items(batch, length, record["grid"],
+                                 num_global_tokens=record["num_global_tokens"],
+                                 grid_start=record["grid_start"])
+            tiles = choose_tiles(items, kernel, dilation)
+            plan = build_plan(batch * length, items, kernel, dilation, tiles, q.device)
+            q, k = (rearrange(t, "b h l e -> (b l) h e") for t in (q, k))
+            key_mask = None if key_mask is None else key_mask.reshape(-1)
+        return views.plan_tiles(q, k, key_mask, plan, scale=record.get("scale"),
+                                **neighborhood_terms(record, items, q.shape[0], q))
+
+    def _jagged(self, record: dict, block: int | None) -> Iterator:
+        starts, lengths = self.layout.offsets[:-1], self.layout.lengths
+        for m, (qm, km) in enumerate(zip(record["q"].unbind(), record["k"].unbind())):
+            slots = views.Slots(starts[m:m + 1], lengths[m:m + 1], starts[m:m + 1],
+                                lengths[m:m + 1])
+            yield from views.dense_tiles(qm[None], km[None], None, slots,
+                                         is_causal=bool(record.get("is_causal")),
+                                         block=block or 64)
 
     def rows(self, tile: views.Tile) -> None:
         """Add a tile (:class:`~mmattn.debug._mass_views.Tile`) of query rows."""
-        heads, groups = tile.q.shape[1], self.num_groups + 1
-        self._start(heads, tile.q)
-        q_tok, k_tok = tile.q_tok, tile.k_tok
-        k_group = torch.where(k_tok >= 0, self.k_group[k_tok.clamp(min=0)], groups - 1)
-        q_group = torch.where(q_tok >= 0, self.q_group[q_tok.clamp(min=0)], groups - 1)
-        if self.topk or tile.score_weight is not None or tile.softcap is not None:
-            per_row = []
-            for part, kg in zip(views.chunks(tile, SUM_ELEMENTS),
-                                views.split_slots(k_group, tile, SUM_ELEMENTS)):
-                w = views.weights(part)
-                onehot = F.one_hot(kg, groups).to(w.dtype)[:, None]  # (n, 1, j, G + 1)
-                per_row.append(torch.matmul(w, onehot))
-                if self.topk:
-                    self._top_rows(w, part.q_tok, part.k_tok)
-            per_row = torch.cat(per_row)
-        else:
-            per_row = _tile_sums(tile, k_group, groups)
-        per_row = rearrange(per_row, "n h r g -> h (n r) g")
-        self.sums.index_add_(1, q_group.reshape(-1), per_row.double())
+        self._start(tile.q.shape[1], tile.q)
+        for part in views.chunks(tile, TOP_ELEMENTS):
+            self._top_rows(views.weights(part), part.q_tok, part.k_tok)
 
     def _top_rows(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
         """Keep the k best keys of every row: weight first, then the lower key index."""
@@ -99,11 +158,8 @@ class Tally:
 
     def edges(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
         """Add edge weights: w (E, h), q_tok / k_tok (E,) the query and key token of each."""
-        heads, groups = w.shape[1], self.num_groups + 1
-        self._start(heads, w)
-        cell = self.q_group[q_tok] * groups + self.k_group[k_tok]
-        self.sums.view(heads, -1).index_add_(1, cell, w.t().double())
-        if self.top is None or not w.numel():
+        self._start(w.shape[1], w)
+        if not w.numel():
             return
         order = k_tok.argsort(stable=True)  # sort by (query, weight desc, key) per head
         w, q_tok, k_tok = w[order], q_tok[order], k_tok[order]
@@ -124,69 +180,8 @@ class Tally:
         top_i[b, head, i, r] = self.layout.pos[kq[edge, head]]
 
 
-def _tile_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
-    """(n, h, r, G + 1) the weight each row of a tile gives to each key group.
-
-    A row's weights over its allowed keys sum to 1 (0 for a dead row), so where every key a
-    slot's rows may attend is of one group, that group gets all of it and no score is
-    needed; only the slots whose allowed keys mix groups are computed
-    (:func:`_group_sums`). In a fused sequence that is the few tiles at a border.
-    """
-    n, heads, rows, _ = tile.q.shape
-    if tile.sinks is not None:  # the sink takes a share of every row: score them all
-        return _group_sums(tile, k_group, groups)
-    allowed, bias = tile.allowed, tile.bias
-    ok = torch.ones(n, 1, 1, k_group.shape[1], dtype=torch.bool, device=k_group.device)
-    if allowed is not None:
-        ok = ok & allowed
-    if bias is not None:
-        ok = ok & ~torch.isneginf(bias)
-    live = ok.any(dim=-1)  # (n, h | 1, r | 1)
-    cols = ok.flatten(1, 2).any(dim=1)  # (n, j): a key some row of the slot may attend
-    low = torch.where(cols, k_group, groups).amin(dim=-1)
-    high = torch.where(cols, k_group, -1).amax(dim=-1)
-    single = (low == high) | ~cols.any(dim=-1)
-    sums = torch.zeros(n, heads, rows, groups, device=k_group.device,
-                       dtype=torch.promote_types(tile.q.dtype, torch.float32))
-    one = F.one_hot(low.clamp(max=groups - 1), groups).to(sums.dtype)[:, None, None]
-    sums += live.expand(n, heads, rows)[..., None] * one
-    mixed = (~single).nonzero().flatten()
-    if mixed.numel() == n:  # every slot: no copy of the tile
-        return _flash_sums(tile, k_group, groups)
-    if mixed.numel():
-        part = tile._replace(
-            q=tile.q[mixed], k=tile.k[mixed],
-            allowed=None if allowed is None else _slots_of(allowed, mixed),
-            bias=None if bias is None else _slots_of(bias, mixed),
-        )
-        sums[mixed] = _flash_sums(part, k_group[mixed], groups)
-    return sums
-
-
-def _flash_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
-    """:func:`_group_sums` through SDPA: the keys' one-hot groups as values (padded to the
-    head width, which the CPU flash kernel needs); rows without keys give zeros."""
-    q, k = tile.q, tile.k
-    width = q.shape[-1]
-    if groups > width or q.dtype != torch.float32 or tile.sinks is not None:
-        return _group_sums(tile, k_group, groups)
-    values = F.pad(F.one_hot(k_group, groups).to(q.dtype), (0, width - groups))
-    values = values[:, None].expand(-1, k.shape[1], -1, -1)
-    mask = tile.allowed
-    if tile.bias is not None:
-        bias = tile.bias.to(q.dtype)
-        mask = bias if mask is None else bias.masked_fill(~mask, -math.inf)
-    out = _kernel.sdpa(q, k, values, mask, scale=tile.scale,
-                       groups=q.shape[1] // max(k.shape[1], 1))
-    return out[..., :groups].float()
-
-
-def _slots_of(t: Tensor, index: Tensor) -> Tensor:
-    return t if t.shape[0] == 1 else t[index]
-
-
-#: Scores per step of :func:`_group_sums` (small enough to stay in the CPU's cache).
-SUM_ELEMENTS = 1 << 17
+#: Scores per step of the top keys (small enough to stay in the CPU's cache).
+TOP_ELEMENTS = 1 << 17
 
 
 def _best(key: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -215,46 +210,3 @@ def _ascending(k_tok: Tensor) -> bool:
     """Whether the real key columns of every slot come in increasing token order."""
     ids = torch.where(k_tok >= 0, k_tok, -1)
     return bool(((ids >= ids.cummax(dim=-1).values) | (ids < 0)).all())
-
-
-def _group_sums(tile: views.Tile, k_group: Tensor, groups: int) -> Tensor:
-    """(n, h, r, G + 1) the weight each row gives to each key group: the softmax of each
-    step's scores, in place, times the keys' one-hot groups; dead rows give zeros."""
-    q, k = tile.q, tile.k
-    n, heads, rows, _ = q.shape
-    acc = torch.promote_types(q.dtype, torch.float32)
-    kv_heads, keys = k.shape[1], k.shape[2]
-    g = heads // max(kv_heads, 1)
-    onehot = F.one_hot(k_group, groups).to(acc)[:, None]  # (n, 1, j, G + 1)
-    allowed, bias = tile.allowed, tile.bias
-    live = None
-    if allowed is not None:
-        live = allowed.any(dim=-1, keepdim=True)
-    if bias is not None:
-        seen = ~torch.isneginf(bias).all(dim=-1, keepdim=True)
-        live = seen if live is None else live & seen
-    qs = rearrange(q.to(acc) * tile.scale, "n (k g) r e -> n k (g r) e", g=g)
-    step = max(1, SUM_ELEMENTS // max(1, heads * rows * keys))
-    out = []
-    for n0 in range(0, n, step):
-        n1 = min(n, n0 + step)
-        scores = torch.matmul(qs[n0:n1], k[n0:n1].to(acc).transpose(-1, -2))
-        scores = rearrange(scores, "n k (g r) j -> n (k g) r j", g=g)
-        add = None if bias is None else views._part(bias, n0, n1).to(acc)
-        if allowed is not None:  # a small additive mask: adding beats masked_fill_ here
-            ok = views._part(allowed, n0, n1)
-            blocked = torch.zeros(ok.shape, dtype=acc, device=q.device).masked_fill_(
-                ~ok, -math.inf)
-            add = blocked if add is None else add + blocked
-        if add is not None:
-            scores.add_(add)
-        if tile.sinks is None:
-            torch._softmax(scores, -1, False, out=scores)
-        else:
-            views.softmax_rows(scores, None, None, tile.sinks)
-        sums = torch.matmul(scores, onehot[n0:n1])
-        if live is not None and bias is not None and allowed is not None:
-            sums = torch.where(~torch.isneginf(add).all(dim=-1, keepdim=True), sums, 0.0)
-        out.append(sums)
-    sums = torch.cat(out)
-    return sums if live is None else torch.where(live, sums, 0.0)

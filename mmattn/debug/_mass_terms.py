@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmattn.debug._mass_tally import Unsupported
+from mmattn.debug._mass_views import Unsupported
 from mmattn.kernels._neighborhood_terms import grid_coords, pair_terms
 
 

@@ -17,7 +17,6 @@ give their (E, h) weights instead (:func:`edge_weights`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -25,7 +24,16 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from mmattn.kernels.block_sparse import alibi_term
+from mmattn.kernels import block_sparse
+from mmattn.kernels import dense as _dense
+from mmattn.kernels._segment import default_scale
+from mmattn.kernels._segment_modifiers import edge_attend_modified_explicit
+from mmattn.kernels.modifiers import Modifiers, with_bias
+
+
+class Unsupported(Exception):
+    """A call or kernel report attention_mass / top_keys cannot measure (then skipped)."""
+
 
 #: At most this many scores in one tile (blocks of rows are cut to fit).
 TILE_ELEMENTS = 1 << 22
@@ -91,68 +99,21 @@ def _acc(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _scale(width: int, scale: float | None) -> float:
-    if scale is not None:
-        return scale
-    return 1.0 / math.sqrt(width) if width else 1.0
-
-
-def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """q kᵀ · scale in float32 (float64 for double); k may have fewer heads (grouped queries).
-
-    Shape:
-        - q: (n, h, r, e); k: (n, k, j, e); returns (n, h, r, j)
-    """
-    acc = _acc(q)
-    groups = q.shape[1] // max(k.shape[1], 1)
-    qg = rearrange(q.to(acc), "n (k g) r e -> n k (g r) e", g=groups)
-    scores = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale
-    return rearrange(scores, "n k (g r) j -> n (k g) r j", g=groups)
-
-
-def softmax_rows(scores: Tensor, allowed: Tensor | None, bias: Tensor | None,
-                 sinks: Tensor | None = None) -> Tensor:
-    """softmax over the last axis of ``scores + bias`` where ``allowed``, in place (``scores``
-    is a fresh buffer), with a sink logit per head when given; rows without an allowed key
-    give zeros (the kernels' dead-row rule)."""
-    scores = scores.contiguous()  # the in-place softmax needs a dense buffer
-    if bias is not None:
-        scores.add_(bias.to(scores.dtype))
-    if allowed is not None:
-        scores.masked_fill_(~allowed, float("-inf"))
-    if sinks is not None:  # exp(s - logaddexp(logsumexp(s), σ)): 0 for a dead row as well
-        total = torch.logaddexp(torch.logsumexp(scores, -1, keepdim=True),
-                                sinks.to(scores.dtype)[None, :, None, None])
-        return scores.sub_(total).exp_()
-    dead = None
-    if bias is not None or allowed is not None:
-        dead = torch.isneginf(scores.amax(dim=-1, keepdim=True))
-        if bool(dead.any()):
-            scores.masked_fill_(dead, 0.0)
-        else:
-            dead = None
-    torch._softmax(scores, -1, False, out=scores)
-    return scores if dead is None else scores.masked_fill_(dead, 0.0)
-
-
-def cap(scores: Tensor, softcap: float | None) -> Tensor:
-    """``c · tanh(s / c)`` in place (unchanged without a softcap)."""
-    if softcap is None:
-        return scores
-    return scores.div_(softcap).tanh_().mul_(softcap)
-
-
 def weights(tile: Tile) -> Tensor:
-    """The exact (n, h, r, j) weights of a tile (float32, float64 for double inputs)."""
+    """The exact (n, h, r, j) weights of a tile, from the kernels' own explicit path
+    (:func:`mmattn.kernels.dense.attend` with ``need_weights``, or its softmax on additive
+    scores): their score function, modifiers and dead-row rule, on zero-width values."""
+    mask = with_bias(tile.allowed, tile.bias)
+    mods = Modifiers(sinks=tile.sinks, softcap=tile.softcap)
+    none = tile.k.new_zeros(*tile.k.shape[:-1], 0)
     if tile.score_weight is None:
-        scores = dot_scores(tile.q, tile.k, tile.scale)
-    else:
-        from mmattn.attention.additive import additive_scores
+        _, w = _dense.attend(tile.q, tile.k, none, mask, scale=tile.scale, need_weights=True,
+                             report_path=False, modifiers=mods)
+        return w
+    from mmattn.attention.additive import additive_scores
 
-        acc = _acc(tile.q)
-        scores = additive_scores(tile.q.to(acc), tile.k.to(acc), tile.score_weight.to(acc))
-    return softmax_rows(cap(scores.contiguous(), tile.softcap), tile.allowed, tile.bias,
-                        tile.sinks)
+    scores = additive_scores(tile.q, tile.k, tile.score_weight.to(tile.q.dtype))
+    return _dense.grouped_softmax_attend(scores, none, mask, 0.0, mods)[1]
 
 
 def split_mask(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
@@ -174,11 +135,6 @@ def _part(t: Tensor | None, n0: int, n1: int, r0: int = 0, r1: int | None = None
 def _step(tile: Tile, elements: int) -> int:
     n, heads, rows, _ = tile.q.shape
     return max(1, elements // max(1, heads * rows * tile.k.shape[2]))
-
-
-def split_slots(t: Tensor, tile: Tile, elements: int) -> tuple[Tensor, ...]:
-    """``t`` (one row per slot of ``tile``) cut as :func:`chunks` cuts the tile."""
-    return t.split(_step(tile, elements))
 
 
 def chunks(tile: Tile, elements: int = TILE_ELEMENTS) -> Iterator[Tile]:
@@ -213,7 +169,7 @@ def dense_tiles(
     keys = k.shape[2]
     if n_all == 0 or length == 0 or keys == 0:
         return
-    scale = _scale(width, scale)
+    scale = default_scale(q, scale)
     allowed, bias = split_mask(mask)
     extra = width if score_weight is not None else 1  # additive scores hold (r, j, e)
     rows = max(1, min(block, TILE_ELEMENTS // max(1, heads * keys * extra)))
@@ -248,7 +204,7 @@ def band_tiles(record: dict, slots: Slots) -> Iterator[Tile]:
     qb, kb, mask = record["q"], record["k"], record["mask"]
     q, k, key_mask = record["inputs"]
     batch, _, length, width = q.shape
-    scale = _scale(width, record.get("scale"))
+    scale = default_scale(q, record.get("scale"))
     if batch == 0 or length == 0:
         return
     window = min(record["window_size"], length - 1)
@@ -312,7 +268,7 @@ def plan_tiles(
         - q: (t, h, e); k: (t, k, e); key_mask: (t,) bool or float, or None
     """
     rows, heads, width = q.shape
-    scale = _scale(width, scale)
+    scale = default_scale(q, scale)
     zero = rows
     qz = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
     kz = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
@@ -358,17 +314,17 @@ def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
 
 
 def sparse_tiles(record: dict) -> Iterator[Tile]:
-    """A block-sparse call's buckets: query tiles against their non-empty key tiles, with
-    the tiles' exact masks, the call's key mask and causal rule, its modifiers (ALiBi on
-    each item's token index, as the kernel's :func:`alibi_term`); token ids ``b·L + i``.
+    """A block-sparse call's buckets as its explicit path runs them: query tiles against
+    their key tiles with the kernel's own bucket mask and ALiBi term
+    (:func:`~mmattn.kernels.block_sparse.explicit_mask`); token ids ``b·L + i``.
 
     Shape:
-        - q: (b, h, l, e); k: (b, k, l, e); key_mask: (b, l) bool or float, or None
+        - q: (b, h, l, e); k: (b, k, l, e)
     """
-    q, k, plan, key_mask = record["q"], record["k"], record["plan"], record.get("key_mask")
+    q, k, plan = record["q"], record["k"], record["plan"]
     batch, heads, length, width = q.shape
-    scale = _scale(width, record.get("scale"))
     padded, s = plan.padded, plan.block
+    call = block_sparse.Call.of(record.get("key_mask"), bool(record.get("is_causal")), padded)
 
     def rows(x: Tensor) -> Tensor:  # (b, h, l, e) -> (b padded, h, e)
         x = rearrange(x, "b h l e -> b l h e")
@@ -379,27 +335,18 @@ def sparse_tiles(record: dict) -> Iterator[Tile]:
         return torch.where(pos < length, flat // padded * length + pos, -1)
 
     q2, k2 = rows(q), rows(k)
-    keyed = None
-    if key_mask is not None:
-        fill = False if key_mask.dtype == torch.bool else float("-inf")
-        keyed = torch.cat([key_mask, key_mask.new_full((batch, padded - length), fill)], 1)
-        keyed = keyed.reshape(-1)
+    mods = record.get("modifiers")
     for bucket in plan.buckets:
-        tiles = bucket.tiles
-        q_rows, k_rows = bucket.q_rows, bucket.k_rows
-        allowed, bias = bucket.allowed, None
-        if keyed is not None:
-            key = keyed[k_rows].view(tiles, 1, 1, -1)
-            allowed, bias = (allowed & key, None) if key.dtype == torch.bool else (allowed, key)
-        if record.get("is_causal"):
-            allowed = allowed & ((k_rows % padded).view(tiles, 1, 1, -1)
-                                 <= (q_rows % padded).view(tiles, 1, -1, 1))
-        alibi = alibi_term(bucket, record.get("modifiers"), padded, _acc(q))
+        mask, terms = block_sparse.explicit_mask(bucket, call._replace(mods=mods), padded,
+                                                 _acc(q))
+        allowed, bias = split_mask(mask)
+        alibi = None if terms is None else terms.bias
         bias = alibi if bias is None else bias if alibi is None else bias + alibi
         yield from chunks(Tile(
-            rearrange(q2[q_rows], "(n s) h e -> n h s e", s=s),
-            rearrange(k2[k_rows], "(n t) k e -> n k t e", n=tiles), allowed, bias, scale,
-            token(q_rows).view(tiles, s), token(k_rows).view(tiles, -1),
+            rearrange(q2[bucket.q_rows], "(n s) h e -> n h s e", s=s),
+            rearrange(k2[bucket.k_rows], "(n t) k e -> n k t e", n=bucket.tiles), allowed,
+            bias, default_scale(q, record.get("scale")), token(bucket.q_rows).view(
+                bucket.tiles, s), token(bucket.k_rows).view(bucket.tiles, -1),
             **modifiers_of(record)))
 
 
@@ -410,33 +357,13 @@ def edge_weights(
     q: Tensor, k: Tensor, src: Tensor, dst: Tensor, bias: Tensor | None, scale: float | None,
     softcap: float | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
-    """The (E, h) weights of attention along edges: a softmax over each query's edges (the
-    scores capped before the bias; a sink logit per head in every query's sum, left out).
+    """The (E, h) weights of attention along edges, from the edge kernel's explicit twin
+    (its scores, softcap, sink and segment softmax) on zero-width values.
 
     Shape:
         - q: (t_q, h, e); k: (t_k, k, e); src, dst: (E,); bias: (E, h)
     """
-    heads, width = q.shape[1], q.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(width) if width else 1.0
-    acc = _acc(q)
-    groups = heads // max(k.shape[1], 1)
-    step = max(1, TILE_ELEMENTS // max(1, heads * width))
-    parts = []
-    for e0 in range(0, src.shape[0], step):
-        qs = q[dst[e0:e0 + step]].to(acc)
-        ks = k[src[e0:e0 + step]].to(acc).repeat_interleave(groups, dim=1)
-        parts.append((qs * ks).sum(-1) * scale)
-    scores = cap(torch.cat(parts) if parts else q.new_zeros(0, heads, dtype=acc), softcap)
-    sink = None if sinks is None else sinks.to(acc)[None]  # (1, h)
-    if bias is not None:
-        scores = scores + bias.to(acc)
-    rows = q.shape[0]
-    index = dst[:, None].expand_as(scores)
-    peak = scores.new_full((rows, heads), float("-inf")).scatter_reduce(0, index, scores, "amax")
-    peak = peak if sink is None else torch.maximum(peak, sink)
-    peak = torch.where(torch.isneginf(peak), 0.0, peak)
-    p = torch.exp(scores - peak[dst])
-    total = p.new_zeros(rows, heads).index_add_(0, dst, p)
-    total = total if sink is None else total + torch.exp(sink - peak)
-    return p / torch.where(total > 0, total, 1.0)[dst]
+    none = k.new_zeros(*k.shape[:-1], 0)
+    return edge_attend_modified_explicit(
+        q, k, none, src, dst, Modifiers(sinks=sinks, softcap=softcap), bias=bias,
+        scale=default_scale(q, scale))[1]

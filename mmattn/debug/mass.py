@@ -4,13 +4,15 @@
 Axis key: ``c`` attention calls, ``b`` batch, ``h`` heads, ``l`` query positions, ``m`` /
 ``n`` query / key groups (modalities or segments), ``k`` top keys.
 
-Both functions run the model once with a kernel path listener
-(:func:`mmattn.kernels.dense.add_listener`): every kernel reports the tensors it is about to
-attend with, and the listener recomputes that call's exact weights tile by tile — the same
-scores, masks and dead-row rule, on every kernel (dense, local band, neighbourhood, edges,
-packed buckets) — and keeps only what it needs: per-group sums, or the k best keys of each
-row. No (L, L) tensor is formed, and the model runs exactly as it would without them (its
-outputs are bit for bit the same: nothing is asked of it, no weights, no other path).
+Both functions run the model once and record its attention calls
+(:mod:`mmattn.debug._mass_calls`). The mass of a call is an attention call: the layer runs
+it again with its recorded q and k and the keys' one-hot groups as values, so each query's
+output row is its weight on each group, from the layer's own kernel, engine and score
+modifiers. The top keys need the scores: every kernel reports the tensors it attends with
+(:func:`mmattn.kernels.dense.add_listener`), and their weights are formed tile by tile
+through the kernels' explicit path, keeping the k best keys of each row. No (L, L) tensor
+is formed, and the model runs exactly as it would without them (its outputs are bit for
+bit the same: nothing is asked of it, no weights, no other path).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _run(session: Session, model: nn.Module, tokens: Any, args: tuple, kwargs: d
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     undo = session.install(model)
-    remove = _kernel.add_listener(session.listener)
+    remove = _kernel.add_listener(session.listener) if session.topk else (lambda: None)
     try:
         if isinstance(model, MultiHeadAttention) and isinstance(tokens, Tokens):
             session.tokens.append(tokens)  # a bare layer: called on the Tokens' tensors
@@ -145,9 +147,10 @@ def attention_mass(
 
     Every self-attention call of an mmattn attention module counts, on every kernel, padded
     or packed; cross-attention, decoding steps (``cache=``), Linformer's projected slots and
-    calls whose Tokens carry no modality facts are listed in ``.skipped``. The weights are
-    recomputed exactly, tile by tile (memory O(L · block), never (L, L)), before dropout;
-    the model's outputs are the same as without this call. ``model`` may also be a single
+    calls whose Tokens carry no modality facts are listed in ``.skipped``. Each call is run
+    once more by its layer, with the groups as values (memory: the layer's own, never
+    (L, L)); the weights are those before dropout, and the model's outputs are the same as
+    without this call. ``model`` may also be a single
     attention layer: it is then called on ``tokens.x`` with the Tokens' key padding and
     geometry (``grid``, ``edge_index``).
 
@@ -156,7 +159,8 @@ def attention_mass(
         tokens: its first input (Tokens, or whatever the model takes).
         *args, **kwargs: the rest of its inputs.
         by: ``"modality"`` or ``"segment"``.
-        block_size: query rows per tile (default: 64; a local band uses its own block).
+        block_size: checked as for :func:`top_keys`, but without effect here: the layer's
+            kernel chooses its own tiles.
 
     Returns:
         An :class:`AttentionMass` (``.table``, ``.modalities``, ``.modules``, ``.counts``).
@@ -184,16 +188,14 @@ def attention_mass(
     names: list[str] = []
     for call in session.calls:
         names.extend(n for n in call.names if n not in names)
-    heads = max(call.tally.sums.shape[0] for call in session.calls)
+    heads = max(call.sums.shape[0] for call in session.calls)
     table = torch.full((len(session.calls), heads, len(names), len(names)), float("nan"))
     counts = torch.zeros(len(session.calls), len(names), dtype=torch.long)
     for c, call in enumerate(session.calls):
         index = torch.tensor([names.index(n) for n in call.names], dtype=torch.long)
-        sums = call.tally.sums[:, :-1, :-1].cpu()
-        count = call.tally.counts().cpu()
+        sums, count = call.sums.cpu(), call.counts().cpu()
         mean = (sums / count[None, :, None]).float()  # NaN (0 / 0) where no query of a group
-        h = sums.shape[0]
-        table[c][:h, index[:, None], index[None, :]] = mean
+        table[c][:sums.shape[0], index[:, None], index[None, :]] = mean
         counts[c, index] = count
     return AttentionMass(table, names, [call.name for call in session.calls], counts,
                          session.skipped, output)

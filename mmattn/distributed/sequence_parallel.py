@@ -44,6 +44,7 @@ from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels.blocked import local_attend
+from mmattn.kernels.modifiers import join_sink
 
 __all__ = ["SequenceParallel", "all_reduce_grads"]
 
@@ -344,7 +345,7 @@ def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group, mods=None
     outs, lses = parts[..., :ev], parts[..., ev:]  # (p, b, h, g, e), (p, b, h, g, 1)
     total = torch.logsumexp(lses, dim=0)
     if mods is not None and mods.sinks is not None:
-        total = torch.logaddexp(total, mods.sinks.to(total.dtype)[:, None, None])
+        _, total = join_sink(total, mods.sinks[:, None, None])
     finite = torch.isfinite(total)
     scale = torch.exp(lses - torch.where(finite, total, torch.zeros_like(total)))
     scale = torch.where(torch.isfinite(lses) & finite, scale, torch.zeros_like(scale))

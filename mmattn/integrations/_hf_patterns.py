@@ -52,8 +52,9 @@ from mmattn.kernels.packed import report as report_packed
 _MEMO = "_mmattn_patterns"
 
 
-def _memo(mask: Tensor, key: tuple, compute) -> Any:
-    """``compute()`` once per mask tensor (and in-place version), remembered on the tensor."""
+def memo(mask: Tensor, key: tuple, compute) -> Any:
+    """``compute()`` once per mask tensor (and in-place version), remembered on the tensor:
+    the proofs here and the block-sparse plan of :mod:`mmattn.integrations._hf_sparse`."""
     store = getattr(mask, _MEMO, None)
     if store is None or store[0] != mask._version:
         store = (mask._version, {})
@@ -79,7 +80,7 @@ def key_rows(mask: Tensor) -> Tensor:
     """
     if mask.dim() != 4 or mask.shape[-2] <= 1:
         return mask
-    same = _memo(mask, ("rows",), lambda: torch.equal(mask, mask[:, :, :1].expand_as(mask)))
+    same = memo(mask, ("rows",), lambda: torch.equal(mask, mask[:, :, :1].expand_as(mask)))
     return mask[:, :, :1] if same else mask
 
 
@@ -95,7 +96,7 @@ def window_pattern(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None]
     """
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2]:
         return None
-    return _memo(mask, ("window", window), lambda: _find_window(mask, window))
+    return memo(mask, ("window", window), lambda: _find_window(mask, window))
 
 
 def _find_window(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None] | None:
@@ -177,7 +178,7 @@ def packed_lengths(mask: Tensor, position_ids: Tensor) -> list[int] | None:
     if position_ids.shape[0] not in (1, mask.shape[0]):
         return None
     key = ("packed", tuple(position_ids.shape), position_ids.dtype, position_ids.device)
-    entry = _memo(mask, key, lambda: _PackedProof(mask, position_ids))
+    entry = memo(mask, key, lambda: _PackedProof(mask, position_ids))
     return entry.lengths(mask, position_ids)
 
 
@@ -282,24 +283,38 @@ def run_packed(
 
 
 def score_modifiers(
-    who: str, heads: int, s_aux: Tensor | None, softcap: float | None
+    who: str, query: Tensor, s_aux: object, softcap: float | None
 ) -> Modifiers | None:
     """gpt-oss's sinks (``s_aux``) and Gemma 2's cap as the kernels' score modifiers (None:
     neither); ``softcap`` was checked with the other inputs (a number > 0).
 
+    ``s_aux`` is one logit per query head of ``query`` (b, h, i, e): a floating tensor of
+    shape (h,) on query's device, of any floating dtype (under autocast a float32 sink
+    parameter meets bf16 queries). Its values are not read (no host sync): ``-inf`` is a sink
+    that takes nothing, NaN gives NaN rows as in transformers' eager path.
+
     Raises:
-        ValueError: ``s_aux`` is not one logit per query head, shape (h,).
+        TypeError: ``s_aux`` is not a tensor, or not of a floating dtype.
+        ValueError: ``s_aux`` is not one logit per query head, shape (h,), or lies on
+            another device than query.
     """
-    if s_aux is not None and (not isinstance(s_aux, Tensor) or s_aux.shape != (heads,)):
-        got = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
-        raise ValueError(
-            f"{who}: s_aux (attention sinks) must be one logit per query head, shape "
-            f"({heads},), got {got}"
-        )
+    if s_aux is not None:
+        heads = query.shape[1]
+        if not isinstance(s_aux, Tensor) or not s_aux.is_floating_point():
+            got = s_aux.dtype if isinstance(s_aux, Tensor) else type(s_aux).__name__
+            raise TypeError(
+                f"{who}: s_aux (attention sinks) must be a floating tensor of one logit per "
+                f"query head, shape ({heads},), got {got}"
+            )
+        if s_aux.shape != (heads,):
+            raise ValueError(
+                f"{who}: s_aux (attention sinks) must be one logit per query head, shape "
+                f"({heads},), got {tuple(s_aux.shape)}"
+            )
+        if s_aux.device != query.device:
+            raise ValueError(
+                f"{who}: s_aux (attention sinks) is on device {s_aux.device} but query is "
+                f"on device {query.device}"
+            )
     mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
     return mods if mods else None
-
-
-def heads_last(out: Tensor) -> Tensor:
-    """(b, h, i, e) → (b, i, h, e), contiguous: the layout transformers expects back."""
-    return rearrange(out, "b h i e -> b i h e").contiguous()

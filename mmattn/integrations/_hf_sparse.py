@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmattn.integrations._hf_patterns import _memo
+from mmattn.integrations._hf_patterns import memo
 from mmattn.kernels import block_sparse
 from mmattn.patterns._dense_tiles import sparse_from_dense
 
@@ -43,7 +43,7 @@ def sparse_plan(mask: Tensor, query: Tensor) -> block_sparse.TilePlan | None:
         return None
     if torch.compiler.is_compiling() or mask.device.type == "meta":
         return None
-    sparse = _memo(mask, ("block-sparse", BLOCK, batch), lambda: _classify(mask, batch))
+    sparse = memo(mask, ("block-sparse", BLOCK, batch), lambda: _classify(mask, batch))
     return None if sparse is None else sparse.plan(heads * width)
 
 

@@ -36,11 +36,12 @@ import numbers
 from typing import Any
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn.integrations import _hf_patterns as _patterns
 from mmattn.integrations import _hf_sparse as _sparse
-from mmattn.integrations._hf_patterns import heads_last
+from mmattn.integrations import _hf_switch as _switch
 from mmattn.kernels import dense as _kernel
 
 #: The name :func:`register` uses by default.
@@ -73,15 +74,14 @@ def register(name: str = DEFAULT_NAME) -> str:
     """Register mmattn in transformers' attention and mask registries under ``name``.
 
     Afterwards ``model.set_attn_implementation(name)`` (or ``from_pretrained(...,
-    attn_implementation=name)``) runs every attention call of a model through
-    :func:`attention_forward`, with masks from :func:`attention_mask`. Registering again is
-    harmless.
+    attn_implementation=name)``) runs every attention call of a model, T5's nested stacks
+    too (:mod:`._hf_switch`), through :func:`attention_forward`, with masks from
+    :func:`attention_mask`. Registering again is harmless.
 
     Args:
-        name: the backend name. transformers gives special handling to names containing
-            ``"flash"``, ``"sdpa"`` or ``"flex_attention"``, starting with ``"paged|"``, or
-            shaped like a hub kernel (``"org/repo"``), and ``"eager"`` is its own fallback:
-            such names are refused.
+        name: the backend name; names transformers treats specially are refused (containing
+            ``"flash"``, ``"sdpa"`` or ``"flex_attention"``; ``"paged|..."``, hub kernels
+            ``"org/repo"``, its own fallback ``"eager"``).
 
     Returns:
         ``name``, to pass to ``set_attn_implementation``.
@@ -107,6 +107,7 @@ def register(name: str = DEFAULT_NAME) -> str:
         ) from error
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
+    _switch.install()
     return name
 
 
@@ -180,15 +181,16 @@ def attention_forward(
 
     Shape:
         - query: (b, h, i, e); key, value: (b, k, j, e)
-        - returns: (b, i, h, e), and the weights (b, h, i, j) when ``output_attentions``
+        - returns: (b, i, h, e), and the weights (b, h, i, j) when ``output_attentions``, in
+          the query's dtype as transformers' eager backend (also under autocast)
 
     Raises:
         TypeError: an unknown keyword argument; query, key and value not floating tensors
             of one dtype; a mask (or ``position_bias``) that is not a tensor, or neither bool
             nor float in query's dtype or float32 (an integer 0/1 mask is refused, not added);
-            ``dropout``, ``scaling`` or ``softcap`` not a number.
+            ``dropout``, ``scaling`` or ``softcap`` not a number; ``s_aux`` not a float tensor.
         ValueError: an argument mmattn cannot honour (a paged cache, ...), an ``s_aux`` that
-            is not one logit per query head;
+            is not one logit per query head or not on query's device;
             tensors not (b, h, l, e), on different devices, of different batch sizes, head
             widths or key/value lengths; head counts that do not divide; a mask that does not
             broadcast to (b, h, i, j); ``dropout`` outside [0, 1); a NaN or infinite
@@ -224,7 +226,7 @@ def attention_forward(
     if position_bias is not None:
         mask = _with_bias(position_bias, mask, causal, q_len, key.shape[-2])
         causal = False
-    mods = _patterns.score_modifiers(_who(module), query.shape[1], s_aux, softcap)
+    mods = _patterns.score_modifiers(_who(module), query, s_aux, softcap)
     if not need_weights and mask is not None and mask.dtype == torch.bool and q_len == k_len:
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, Tensor) and sliding_window is None:
@@ -245,15 +247,19 @@ def attention_forward(
                 return heads_last(out), None
     sparse = _sparse.try_sparse(query, key, value, mask, mods, dropout_p=dropout, scale=scaling,
                                 need_weights=need_weights, groups=groups)
-    if sparse is not None:  # a bool mask whose 64-tiles are at least half empty
-        return heads_last(sparse[0]), sparse[1]
-    if mask is not None and mask.dtype == torch.bool:
+    if sparse is None and mask is not None and mask.dtype == torch.bool:
         mask = _patterns.key_rows(mask)
-    out, weights = _kernel.attend(
+    # sparse: a bool mask whose 64-tiles are at least half empty
+    out, weights = sparse if sparse is not None else _kernel.attend(
         query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling,
         need_weights=need_weights, groups=groups, modifiers=mods,
     )
-    return heads_last(out), weights
+    return heads_last(out), None if weights is None else weights.to(query.dtype)
+
+
+def heads_last(out: Tensor) -> Tensor:
+    """(b, h, i, e) → (b, i, h, e), contiguous: the layout transformers expects back."""
+    return rearrange(out, "b h i e -> b i h e").contiguous()
 
 
 def _with_bias(

@@ -56,6 +56,33 @@ __all__ = [
 
 TimmAttention = _timm_layers.Attention
 
+
+def _norm_layer(norm_layer: object) -> type[nn.Module] | None:
+    """``norm_layer`` as a constructor: a name (``"LayerNorm"``, ``"rmsnorm"``, as timm's
+    models take it) resolved by timm's own ``get_norm_layer`` where this timm has it.
+
+    Raises:
+        ValueError: a name timm does not know (or a timm without ``get_norm_layer``).
+        TypeError: neither None, a name nor a callable.
+    """
+    if norm_layer is None or callable(norm_layer):
+        return norm_layer
+    if not isinstance(norm_layer, str):
+        raise TypeError(
+            f"norm_layer must be a norm constructor (e.g. nn.LayerNorm), a timm norm name "
+            f"(e.g. 'layernorm') or None, got {type(norm_layer).__name__}"
+        )
+    resolve = getattr(_timm_layers, "get_norm_layer", None)
+    try:
+        return resolve(norm_layer)  # timm's rule ('' = no norm)
+    except (KeyError, AssertionError, TypeError) as error:
+        raise ValueError(
+            f"norm_layer={norm_layer!r} is not a norm layer name timm knows "
+            f"(timm.layers.get_norm_layer{'' if resolve else ' is missing in this timm'}); "
+            "give the class instead, e.g. norm_layer=nn.LayerNorm"
+        ) from error
+
+
 _NOT_FUSED = "the module's fused_attn flag is False (timm's per-module switch)"
 
 
@@ -100,7 +127,9 @@ class Attention(nn.Module):
         gated: multiply the merged heads by ``sigmoid(gate(x))`` before ``proj``.
         attn_drop: dropout on the attention weights (training mode only).
         proj_drop: dropout after the output projection.
-        norm_layer: constructor of the norms; needed when ``qk_norm`` or ``scale_norm``.
+        norm_layer: constructor of the norms, or its timm name (``"LayerNorm"``,
+            ``"rmsnorm"``: resolved by ``timm.layers.get_norm_layer``, as timm's models do);
+            needed when ``qk_norm`` or ``scale_norm``.
         device, dtype: where and in what dtype the parameters are created.
 
     Shape:
@@ -165,6 +194,7 @@ class Attention(nn.Module):
             head_dim = dim // num_heads
         else:
             head_dim = checks.check_positive_int("attn_head_dim", attn_head_dim)
+        norm_layer = _norm_layer(norm_layer)
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError(
                 f"norm_layer must be given when qk_norm or scale_norm is True, got "

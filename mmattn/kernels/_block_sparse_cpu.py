@@ -25,18 +25,26 @@ backward with the sink (the weights it recomputes are the sinked ones), plus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from mmattn.kernels.modifiers import FLASH, FLASH_BACKWARD, join_sink, sink_grad
 
-#: Dtypes torch's CPU flash kernel takes.
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: A rectangle is worth a call of its own from this many tiles and query tiles on.
 RECT_TILES, RECT_ROWS = 32, 2
+
+
+@dataclass(eq=False)
+class CpuPlan:
+    """The CPU fused path's state of one plan (``TilePlan.cpu``): the tiles it cuts
+    rectangles from (full tiles, mixed tiles, their masks, the model width), its parts once
+    cut (``block_sparse.fast_parts``), and its gather buffers, reused call after call."""
+
+    tiles: tuple
+    parts: tuple | None = None
+    workspace: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -134,20 +142,20 @@ class TileAttention(torch.autograd.Function):
         tiles_out, tiles_lse = out.view(-1, s, heads, f), lse.view(-1, s, heads)
         for bucket, (mask, live) in zip(buckets, masks):  # each query tile in one bucket
             qb, kb, vb = _gather_bucket(bucket, q2, k2, v2, heads, kv_heads, groups, workspace)
-            o, l_ = _FLASH(qb, kb, vb, 0.0, False, attn_mask=mask, scale=scale)
+            o, l_ = FLASH(qb, kb, vb, 0.0, False, attn_mask=mask, scale=scale)
             if live is not None:  # rows without a key here are zero and count for nothing
                 o, l_ = torch.where(live, o, 0.0), torch.where(live[..., 0], l_, float("-inf"))
             tiles_out.index_copy_(0, bucket.q_tiles, o.transpose(1, 2).to(acc))
             tiles_lse.index_copy_(0, bucket.q_tiles, l_.transpose(1, 2).to(acc))
         for r in rects:  # merged into their rows, which are contiguous
-            o, l_ = _FLASH(_heads(q2[r.q0:r.q1], heads),
+            o, l_ = FLASH(_heads(q2[r.q0:r.q1], heads),
                            *_repeat(_heads(k2[r.k0:r.k1], kv_heads),
                                     _heads(v2[r.k0:r.k1], kv_heads), groups),
                            0.0, False, scale=scale)
             merge_into(out[r.q0:r.q1], lse[r.q0:r.q1], o[0].transpose(0, 1), l_[0].T)
         if sinks is not None:  # rows without keys: exp(-inf) = 0, they stay zero
-            total = torch.logaddexp(lse, sinks.to(acc))
-            out, lse = out * torch.exp(lse - total)[..., None], total
+            share, lse = join_sink(lse, sinks)
+            out = out * share[..., None]
         out = out.to(q2.dtype)
         ctx.save_for_backward(q2, k2, v2, out, lse, sinks)
         ctx.rects, ctx.buckets, ctx.masks = rects, buckets, masks
@@ -162,8 +170,7 @@ class TileAttention(torch.autograd.Function):
         grad = grad.contiguous()
         dsinks = None
         if sinks is not None:  # lse is finite here (logaddexp with σ); dead rows: out = 0
-            rowsum = (grad.view(out.shape).to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-            dsinks = -(torch.exp(sinks.to(lse.dtype) - lse) * rowsum).sum(0).to(sinks.dtype)
+            dsinks = sink_grad(sinks, lse, grad.view(out.shape), out).sum(0).to(sinks.dtype)
         lse = torch.where(torch.isneginf(lse), 0.0, lse).to(torch.promote_types(
             q2.dtype, torch.float32))  # rows without keys: any finite value (their grad is 0)
         out2 = out.view(q2.shape[0], -1)
@@ -171,7 +178,7 @@ class TileAttention(torch.autograd.Function):
         for r in ctx.rects:
             kr, vr = _repeat(_heads(k2[r.k0:r.k1], kv_heads), _heads(v2[r.k0:r.k1], kv_heads),
                              groups)
-            gq, gk, gv = _FLASH_BACKWARD(
+            gq, gk, gv = FLASH_BACKWARD(
                 _heads(grad[r.q0:r.q1], heads), _heads(q2[r.q0:r.q1], heads), kr,
                 vr, _heads(out2[r.q0:r.q1], heads), lse[r.q0:r.q1].T[None].contiguous(), 0.0,
                 False, scale=scale)
@@ -187,7 +194,7 @@ class TileAttention(torch.autograd.Function):
                 gb = torch.where(live, gb, 0.0)
             ob = _gather(t, out2, tiles, heads, block, workspace, "out")
             lb = lse.view(-1, block, heads)[t].transpose(1, 2).contiguous()
-            gq, gk, gv = _FLASH_BACKWARD(gb, qb, kb, vb, ob, lb, 0.0, False,
+            gq, gk, gv = FLASH_BACKWARD(gb, qb, kb, vb, ob, lb, 0.0, False,
                                          attn_mask=mask, scale=scale)
             gk, gv = _fold(gk, kv_heads, groups), _fold(gv, kv_heads, groups)
             _scatter(dq, t, gq, block)

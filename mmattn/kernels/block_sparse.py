@@ -5,14 +5,17 @@ Axis key: ``b`` batch, ``h`` query heads, ``k`` key heads, ``i``/``j`` query/key
 ``c`` key tiles per query tile of a bucket.
 
 The tiles come from a compiled pattern (:class:`mmattn.patterns.SparseMask`): the full
-tiles, and the mixed tiles with their exact (s, s) masks. :func:`plan_tiles` lays them out
-once per mask and model width::
+tiles, and the mixed tiles with their exact (s, s) masks. :func:`plan_tiles`
+(:mod:`mmattn.kernels._block_sparse_plan`) lays them out once per mask and model width::
 
     query tiles ─count their key tiles─▶ groups of equal count ─packed.plan─▶ buckets
     bucket: N query tiles x c key tiles each (short rows padded with masked tiles)
         q rows (N s) · k rows (N c s) · allowed (N, 1, s, c s) · live rows
 
-and :func:`attend` runs them: one ``index_select`` gathers the query, key and value rows of
+and :func:`attend` runs them on the path :func:`choose_path` picks. ``"cpu-flash"``
+(:mod:`mmattn.kernels._block_sparse_cpu`, torch's CPU flash kernel, memory-lean) runs
+rectangles of full tiles as tall calls and merges the parts by logsumexp. ``"buckets"``:
+one ``index_select`` gathers the query, key and value rows of
 every bucket, each bucket is one batched attention call through :mod:`mmattn.kernels.dense`
 (``sdpa`` with the additive mask on the fused path; ``attend`` with its explicit twin when
 weights are requested or ``MMATTN_FUSED_ATTN=0``), and one ``index_select`` puts the rows
@@ -32,206 +35,24 @@ explicit path, tile by tile.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmattn._helpers import ceil_div, exporting
+from mmattn._helpers import exporting
 from mmattn.kernels import dense as _dense
-from mmattn.kernels import packed as _packed
-from mmattn.kernels._block_sparse_cpu import DTYPES, TileAttention, rectangles
-from mmattn.kernels.modifiers import Modifiers
-
-
-@dataclass
-class Bucket:
-    """N query tiles, each with ``count`` key tiles (padding slots masked).
-
-    Attributes:
-        count: key tiles per query tile (c).
-        q_tiles: (N,) query tiles in the flat (b n) tile order (tile t holds the rows
-            t s .. t s + s - 1 of the flat (b * padded length) layout).
-        k_tiles: (N c,) their key tiles, query tile by query tile.
-        slots: (N, c, 3) (b, query tile, key tile) of each slot (padding: a real tile).
-        allowed: (N, 1, s, c s) bool, True where the pair may attend.
-        all_live: every row has an allowed key (None: not known, the live rows are applied).
-    """
-
-    count: int
-    q_tiles: Tensor
-    k_tiles: Tensor
-    slots: Tensor
-    allowed: Tensor
-    all_live: bool | None = None
-    _masks: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def tiles(self) -> int:
-        return self.slots.shape[0]
-
-    @property
-    def block(self) -> int:
-        return self.allowed.shape[2]
-
-    @property
-    def q_rows(self) -> Tensor:
-        """(N s,) the flat rows of the query tiles."""
-        return (self.q_tiles[:, None] * self.block + torch.arange(
-            self.block, device=self.q_tiles.device)).reshape(-1)
-
-    @property
-    def k_rows(self) -> Tensor:
-        """(N c s,) the flat rows of the key tiles."""
-        return (self.k_tiles[:, None] * self.block + torch.arange(
-            self.block, device=self.k_tiles.device)).reshape(-1)
-
-    def fused_mask(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-        """The additive mask with dead rows opened, and the live rows (None: all live)."""
-        if dtype not in self._masks:
-            self._masks[dtype] = additive(self.allowed, dtype, self.all_live)
-        return self._masks[dtype]
-
-
-def additive(allowed: Tensor, dtype: torch.dtype,
-             all_live: bool | None = None) -> tuple[Tensor, Tensor | None]:
-    """(mask, live): ``allowed`` as 0 / -inf with rows without a key opened (dense.py's
-    dead-row policy), and the (.., s, 1) live rows (None when ``all_live``: never read here)."""
-    live = _dense.live_rows(allowed)
-    opened = _dense.open_dead_rows(allowed, live)
-    mask = torch.zeros(opened.shape, dtype=dtype, device=opened.device)
-    mask = mask.masked_fill(~opened, float("-inf"))
-    return mask, (None if all_live else live)
-
-
-@dataclass
-class TilePlan:
-    """Everything :func:`attend` needs besides the tensors (see :func:`plan_tiles`).
-
-    Attributes:
-        batch, length, block, padded: B, L, s and the padded length n s.
-        buckets: the buckets, in gather order.
-        q_tiles, k_tiles: every bucket's tiles, one after another (one gather each).
-        tile_rows: (B n,) for every query tile, its place in the buckets' stacked outputs
-            (tiles without keys point one past the end, at a zero tile).
-        seen: (B padded,) bool, keys that some query may attend (others are zeroed).
-        density: non-empty tiles over all tiles.
-        tiles: (full tiles, mixed tiles, their masks, width), for the CPU fused path's own
-            parts (:func:`fast_parts`).
-        workspace: gather buffers of the CPU fused path, reused call after call.
-    """
-
-    batch: int
-    length: int
-    block: int
-    padded: int
-    buckets: tuple[Bucket, ...]
-    q_tiles: Tensor
-    k_tiles: Tensor
-    tile_rows: Tensor
-    seen: Tensor
-    all_seen: bool
-    density: float
-    tiles: tuple = field(repr=False)
-    workspace: dict = field(default_factory=dict, repr=False)
-
-
-def plan_tiles(
-    batch: int, length: int, block: int, full_tiles: Tensor, mixed_tiles: Tensor,
-    mixed_masks: Tensor, *, width: int,
-) -> TilePlan:
-    """Bucket the non-empty tiles for :func:`attend` (packed.py's planner decides the cuts).
-
-    Args:
-        batch, length, block: B, L and the tile width s.
-        full_tiles: (F, 3) (b, query tile, key tile) allowed throughout.
-        mixed_tiles: (P, 3) the other non-empty tiles; mixed_masks (P, s, s) their masks.
-        width: the model width (sets the planner's fixed cost of one call).
-    """
-    s, n = block, ceil_div(length, block)
-    padded, device = n * s, mixed_masks.device
-    buckets = bucketize(batch, length, s, full_tiles, mixed_tiles, mixed_masks, width)
-    dead = dead_tiles(batch * n, s, full_tiles, mixed_tiles, mixed_masks, n)
-    for bucket, has_dead in zip(buckets, torch.stack([dead[bk.q_tiles].any() for bk in buckets]
-                                                     ).tolist() if buckets else []):
-        bucket.all_live = not has_dead  # (one read for every bucket)
-    offsets = torch.arange(s, device=device)
-    q_tiles = torch.cat([bk.q_tiles for bk in buckets]) if buckets else offsets[:0]
-    k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
-    tile_rows = torch.full((batch * n,), q_tiles.shape[0], dtype=torch.long, device=device)
-    tile_rows[q_tiles] = torch.arange(q_tiles.shape[0], device=device)
-    seen = torch.zeros(batch * padded, dtype=torch.bool, device=device)
-    key_rows = (full_tiles[:, 0] * padded + full_tiles[:, 2] * s)[:, None] + offsets
-    seen[key_rows.reshape(-1)] = True  # (rows past L are never read)
-    key_rows = (mixed_tiles[:, 0] * padded + mixed_tiles[:, 2] * s)[:, None] + offsets
-    attended = mixed_masks.view(torch.uint8).amax(dim=1).bool()  # (P, s); amax: the fast one
-    seen[key_rows[attended]] = True  # the keys some query of the tile attends
-    total = full_tiles.shape[0] + mixed_tiles.shape[0]
-    density = total / (batch * n * n) if batch * n else 0.0
-    return TilePlan(batch, length, s, padded, tuple(buckets), q_tiles, k_tiles, tile_rows, seen,
-                    bool(seen.view(batch, padded)[:, :length].all()), density,
-                    (full_tiles, mixed_tiles, mixed_masks, width))
-
-
-def dead_tiles(count: int, s: int, full: Tensor, mixed: Tensor, masks: Tensor, n: int) -> Tensor:
-    """(b n,) bool: query tiles with a row no key tile allows (a full tile allows all)."""
-    live = torch.zeros(count, s, dtype=torch.uint8, device=masks.device)
-    rows = masks.view(torch.uint8).amax(dim=2)  # (P, s): the rows each mixed tile allows
-    live.scatter_reduce_(0, (mixed[:, 0] * n + mixed[:, 1])[:, None].expand_as(rows), rows,
-                         "amax")
-    live[full[:, 0] * n + full[:, 1]] = 1
-    return (live == 0).any(dim=1)
-
-
-def bucketize(
-    batch: int, length: int, s: int, full_tiles: Tensor, mixed_tiles: Tensor,
-    mixed_masks: Tensor, width: int,
-) -> list[Bucket]:
-    """The buckets of these tiles (see :func:`plan_tiles`)."""
-    n = ceil_div(length, s)
-    device = mixed_masks.device
-    tiles = torch.cat([full_tiles, mixed_tiles]).to(device)
-    kind = torch.cat([
-        torch.full((full_tiles.shape[0],), -1, dtype=torch.long, device=device),
-        torch.arange(mixed_tiles.shape[0], device=device),
-    ])
-    query_tile = tiles[:, 0] * n + tiles[:, 1]
-    order = torch.argsort(query_tile * n + tiles[:, 2])
-    tiles, kind, query_tile = tiles[order], kind[order], query_tile[order]
-    counts = torch.bincount(query_tile, minlength=batch * n)
-    starts = torch.cumsum(counts, 0) - counts
-    busy = counts.nonzero().squeeze(1)
-    busy = busy[torch.argsort(counts[busy], descending=True, stable=True)]
-    groups = _packed.count_groups(busy, counts[busy].tolist())
-    cuts = _packed.plan(
-        [len(g) * s for g, _ in groups], [c * s for _, c in groups],
-        call_cost=_packed.call_work(device) / max(width, 1),
-    )
-    offsets = torch.arange(s, device=device)
-    # every slot's (s, s) mask, gathered from one bank: full, empty (a padding slot), full
-    # up to L (the last key tile), then the mixed tiles' exact masks
-    full = torch.ones(1, s, s, dtype=torch.bool, device=device)
-    bank = torch.cat([full, ~full, full & (offsets < length - (n - 1) * s), mixed_masks])
-    kind = torch.where(kind >= 0, kind + 3, torch.where(tiles[:, 2] == n - 1, 2, 0))
-    buckets = []
-    for cut in cuts:
-        qt = torch.cat([groups[m][0] for m in cut.items])
-        c = max(groups[m][1] for m in cut.items)
-        slot = torch.arange(c, device=device)
-        valid = slot < counts[qt][:, None]  # (N, c)
-        idx = torch.where(valid, starts[qt][:, None] + slot, starts[qt][:, None])
-        kj = tiles[idx, 2]
-        b, qi = qt // n, qt % n
-        allowed = bank[torch.where(valid, kind[idx], 1)]  # (N, c, s, s)
-        buckets.append(Bucket(
-            count=c,
-            q_tiles=qt,
-            k_tiles=(b[:, None] * n + kj).reshape(-1),
-            slots=torch.stack([b[:, None].expand_as(kj), qi[:, None].expand_as(kj), kj], -1),
-            allowed=allowed.permute(0, 2, 1, 3).reshape(qt.shape[0], 1, s, c * s),
-        ))
-    return buckets
+from mmattn.kernels._block_sparse_cpu import TileAttention, rectangles
+from mmattn.kernels._block_sparse_plan import (  # noqa: F401 (the plan's names, re-exported)
+    PLAN_ITEMS,
+    Bucket,
+    TilePlan,
+    additive,
+    bucketize,
+    plan_tiles,
+)
+from mmattn.kernels.modifiers import FLASH_DTYPES, Modifiers
 
 
 def tiled(rows: Tensor, block: int) -> Tensor:
@@ -262,7 +83,8 @@ def attend(
     groups: int = 1,
     modifiers: Modifiers | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Attention over the planned tiles only (unchecked; the layer validates).
+    """Attention over the planned tiles only (unchecked; the layer validates): the path
+    :func:`choose_path` picks, :func:`_cpu_flash` or :func:`_buckets`.
 
     Args:
         q, k, v: head-split queries, keys, values; ``k``/``v`` may have fewer heads
@@ -278,35 +100,98 @@ def attend(
         - q: (b, h, i, e); k: (b, k, i, e); v: (b, k, i, e_v) — self-attention, i = j = L
         - returns: (b, h, i, e_v) and the weights (b, h, i, i) or None
     """
-    batch, heads, length, _ = q.shape
-    kv_heads, ev = k.shape[1], v.shape[-1]
-    s, padded = plan.block, plan.padded
+    _check_modifiers(modifiers)
+    mods = modifiers if modifiers else None
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    mods = _check_modifiers(modifiers)
     explicit = need_weights or not _dense.use_fused_attn() or (mods is not None and mods.explicit)
-    sinks = None if mods is None else mods.sinks
-    alibi = mods is not None and mods.slopes is not None
+    call = Call.of(key_mask, is_causal, plan.padded, dropout_p, scale, groups, mods)
+    path = choose_path(q, v, explicit, dropout_p, call.key_add)
     if _dense.reporting():
         _dense.report(
             "block-sparse", _dense.explicit_reasons(need_weights, mods), q=q, k=k, v=v,
             mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale, key_mask=key_mask,
-            density=plan.density, block=s, groups=groups, modifiers=mods, plan=plan,
+            density=plan.density, block=plan.block, groups=groups, modifiers=mods, plan=plan,
+            runner=path,
         )
-    key_ok, key_add = _key_rows(key_mask, padded)
-    q2, k2, v2 = _rows(q, padded), _rows(k, padded), _rows(v, padded)
+    q2, k2, v2 = _flat_rows(q, k, v, plan, call.key_ok)
+    if path == "cpu-flash":
+        out = _cpu_flash(q2, k2, v2, plan, call, q.shape[1], k.shape[1], q.dtype)
+        weights = None
+    else:
+        out, weights = _buckets(q2, k2, v2, plan, call, q, k.shape[1], explicit, need_weights)
+    out = out.view(plan.batch, plan.padded, q.shape[1], v.shape[-1])
+    return out[:, :plan.length].transpose(1, 2), weights
+
+
+def choose_path(q: Tensor, v: Tensor, explicit: bool, dropout_p: float,
+                key_add: Tensor | None) -> str:
+    """The path of a call: ``"cpu-flash"`` (:class:`~mmattn.kernels._block_sparse_cpu.
+    TileAttention`, torch's CPU flash kernel on rectangles and buckets, memory-lean) where it
+    can run, else ``"buckets"`` (one batched call of :mod:`mmattn.kernels.dense` a bucket)."""
+    cpu_flash = (
+        not explicit and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype in FLASH_DTYPES
+        and q.shape[-1] == v.shape[-1] and not exporting()
+        and not (key_add is not None and key_add.requires_grad)
+    )
+    return "cpu-flash" if cpu_flash else "buckets"
+
+
+class Call(NamedTuple):
+    """The settings of one call that its path applies to every bucket (:meth:`of`)."""
+
+    key_ok: Tensor | None  # (b padded,) keys that may be attended
+    key_add: Tensor | None  # (b padded,) float key mask
+    is_causal: bool
+    dropout_p: float
+    scale: float
+    groups: int
+    mods: Modifiers | None
+
+    @classmethod
+    def of(cls, key_mask: Tensor | None, is_causal: bool, padded: int, dropout_p: float = 0.0,
+           scale: float = 1.0, groups: int = 1, mods: Modifiers | None = None) -> Call:
+        """The settings of a call with this (b, j) key mask, on a plan of ``padded`` rows."""
+        return cls(*_key_rows(key_mask, padded), is_causal, dropout_p, scale, groups, mods)
+
+    @property
+    def extra(self) -> bool:
+        """Whether the call changes the tiles' masks (a key mask, the causal rule)."""
+        return self.key_ok is not None or self.key_add is not None or self.is_causal
+
+
+def _flat_rows(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan,
+               key_ok: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as flat (b padded, h e) rows; keys no query may attend are zeroed."""
+    q2, k2, v2 = _rows(q, plan.padded), _rows(k, plan.padded), _rows(v, plan.padded)
     seen = plan.seen if key_ok is None else plan.seen & key_ok
     if key_ok is not None or not plan.all_seen:
         k2, v2 = torch.where(seen[:, None], k2, 0.0), torch.where(seen[:, None], v2, 0.0)
-    extra = key_ok is not None or key_add is not None or is_causal
-    if _fast(q, v, explicit, dropout_p, key_add):  # the CPU flash kernel, memory-lean
-        # (ALiBi: every pair has its own term, so no rectangles without a mask)
-        rects, buckets = ([], plan.buckets) if extra or alibi else fast_parts(plan)
-        masks = [_with_alibi(_fused_mask(bk, extra, key_ok, key_add, is_causal, padded,
-                                         q.dtype), bk, mods, padded) for bk in buckets]
-        out = TileAttention.apply(
-            q2, k2, v2, sinks, rects, buckets, masks, heads, kv_heads, scale, plan.workspace)
-        return out.view(batch, padded, heads, ev)[:, :length].transpose(1, 2), None
+    return q2, k2, v2
+
+
+def _cpu_flash(q2: Tensor, k2: Tensor, v2: Tensor, plan: TilePlan, call: Call, heads: int,
+               kv_heads: int, dtype: torch.dtype) -> Tensor:
+    """The CPU fused path: rectangles of full tiles and the buckets through
+    :class:`~mmattn.kernels._block_sparse_cpu.TileAttention`; (b padded, h e_v) rows.
+    (ALiBi: every pair has its own term, so no rectangles without a mask.)"""
+    mods = call.mods
+    alibi = mods is not None and mods.slopes is not None
+    rects, buckets = ([], plan.buckets) if call.extra or alibi else fast_parts(plan)
+    masks = [_with_alibi(_fused_mask(bk, call, plan.padded, dtype), bk, mods, plan.padded)
+             for bk in buckets]
+    sinks = None if mods is None else mods.sinks
+    return TileAttention.apply(q2, k2, v2, sinks, rects, buckets, masks, heads, kv_heads,
+                               call.scale, plan.cpu.workspace)
+
+
+def _buckets(q2: Tensor, k2: Tensor, v2: Tensor, plan: TilePlan, call: Call, q: Tensor,
+             kv_heads: int, explicit: bool, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """One batched :mod:`mmattn.kernels.dense` call a bucket (``sdpa`` with the additive
+    mask, or the explicit ``attend``, which can return the weights); (b padded, h e_v) rows
+    and the (b, h, i, i) weights or None."""
+    batch, heads, length, _ = q.shape
+    s, padded, ev = plan.block, plan.padded, v2.shape[1] // kv_heads
     sizes_q = [bk.q_tiles.shape[0] for bk in plan.buckets]
     sizes_k = [bk.k_tiles.shape[0] for bk in plan.buckets]
     qg = tiled(q2, s).index_select(0, plan.q_tiles).split(sizes_q)  # whole tiles: fewer,
@@ -315,87 +200,85 @@ def attend(
     outs, weights = [], None
     if need_weights:
         count = padded // s
-        weights = q.new_zeros(batch, count, count, heads, s, s)
+        weights = q.new_zeros(batch, count, count, heads, s, s, dtype=_dense.weights_dtype(v2))
     for bucket, qb, kb, vb in zip(plan.buckets, qg, kg, vg):
         tiles, width = bucket.tiles, bucket.count * s
         qb = qb.view(tiles, s, heads, -1).transpose(1, 2)
         kb = kb.view(tiles, width, kv_heads, -1).transpose(1, 2)
         vb = vb.view(tiles, width, kv_heads, ev).transpose(1, 2)
-        allowed = bucket.allowed
-        if extra:
-            allowed = _call_allowed(bucket, allowed, key_ok, key_add, is_causal, padded)
         if explicit:
-            mask = allowed
-            if key_add is not None:
-                mask = torch.where(allowed, 0.0, float("-inf")).to(q.dtype)
-                mask = mask + key_add[bucket.k_rows].view(tiles, 1, 1, width).to(q.dtype)
-            call_mods = None if mods is None else mods.with_terms(
-                alibi_term(bucket, mods, padded, q.dtype))
+            mask, call_mods = explicit_mask(bucket, call, padded, q.dtype)
             out, w = _dense.attend(
-                qb, kb, vb, mask, dropout_p=dropout_p, scale=scale, need_weights=need_weights,
-                report_path=False, groups=groups, modifiers=call_mods,
+                qb, kb, vb, mask, dropout_p=call.dropout_p, scale=call.scale,
+                need_weights=need_weights, report_path=False, groups=call.groups,
+                modifiers=call_mods,
             )
             if weights is not None:
                 w = w.view(tiles, heads, s, bucket.count, s).permute(0, 3, 1, 2, 4)
                 slot = bucket.slots
                 weights.index_put_((slot[..., 0], slot[..., 1], slot[..., 2]), w, accumulate=True)
         else:
-            mask, live = _with_alibi(
-                _fused_mask(bucket, extra, key_ok, key_add, is_causal, padded, q.dtype),
-                bucket, mods, padded)
+            mask, live = _with_alibi(_fused_mask(bucket, call, padded, q.dtype), bucket,
+                                     call.mods, padded)
             out = _dense.sdpa(
-                qb, kb, vb, mask, dropout_p=dropout_p, scale=scale, groups=groups,
-                dead_rows=False, sinks=sinks,
+                qb, kb, vb, mask, dropout_p=call.dropout_p, scale=call.scale,
+                groups=call.groups, dead_rows=False, sinks=None if call.mods is None
+                else call.mods.sinks,
             )
             if live is not None:
                 out = torch.where(live, out, 0.0)
         outs.append(out.transpose(1, 2).reshape(tiles * s, heads * ev))
-    touch = sum(t.flatten()[:0].sum() for t in (q, k, v))  # attached even with no tile
-    outs.append(q.new_zeros(s, heads * ev) + touch)
+    touch = sum(t.flatten()[:0].sum() for t in (q2, k2, v2))  # attached even with no tile
+    outs.append(q2.new_zeros(s, heads * ev) + touch)
     out = tiled(torch.cat(outs), s).index_select(0, plan.tile_rows)
-    out = out.view(batch, padded, heads, ev)
-    out = out[:, :length].transpose(1, 2)
     if weights is not None:
         weights = weights.permute(0, 3, 1, 4, 2, 5).reshape(batch, heads, padded, padded)
         weights = weights[:, :, :length, :length]
     return out, weights
 
 
+def explicit_mask(bucket: Bucket, call: Call, padded: int,
+                  dtype: torch.dtype) -> tuple[Tensor, Modifiers | None]:
+    """A bucket's mask on the explicit path (bool, or float with the key mask added) and
+    its modifiers with the ALiBi term: what the dense kernel's explicit twin is given."""
+    allowed = bucket.allowed
+    if call.extra:
+        allowed = _call_allowed(bucket, allowed, call.key_ok, call.is_causal, padded)
+    mask = allowed
+    if call.key_add is not None:
+        width = bucket.k_rows.shape[0] // bucket.tiles
+        mask = torch.where(allowed, 0.0, float("-inf")).to(dtype)
+        mask = mask + call.key_add[bucket.k_rows].view(bucket.tiles, 1, 1, width).to(dtype)
+    mods = call.mods
+    return mask, (None if mods is None else mods.with_terms(
+        alibi_term(bucket, mods, padded, dtype)))
+
+
 def fast_parts(plan: TilePlan) -> tuple[list, list[Bucket]]:
     """The CPU fused path's parts: rectangles of full tiles (one tall call each) and the
     buckets of the other tiles; built once per plan. (A call with a key mask or the causal
     flag changes the full tiles, so it runs on ``plan.buckets``.)"""
-    if "parts" not in plan.workspace:
-        full, mixed, masks, width = plan.tiles
+    cpu = plan.cpu
+    if cpu.parts is None:
+        full, mixed, masks, width = cpu.tiles
         n = plan.padded // plan.block
         rects, rest = rectangles(full, n, plan.block, plan.length, plan.padded)
         buckets = plan.buckets if not rects else bucketize(
             plan.batch, plan.length, plan.block, rest, mixed, masks, width)
-        plan.workspace["parts"] = (rects, buckets)
-    return plan.workspace["parts"]
+        cpu.parts = (rects, buckets)
+    return cpu.parts
 
 
-def _fast(q: Tensor, v: Tensor, explicit: bool, dropout_p: float, key_add: Tensor | None) -> bool:
-    """Whether :class:`~mmattn.kernels._block_sparse_cpu.TileAttention` can run the call."""
-    return (
-        not explicit and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype in DTYPES
-        and q.shape[-1] == v.shape[-1] and not exporting()
-        and not (key_add is not None and key_add.requires_grad)
-    )
-
-
-def _fused_mask(
-    bucket: Bucket, extra: bool, key_ok: Tensor | None, key_add: Tensor | None,
-    is_causal: bool, padded: int, dtype: torch.dtype,
-) -> tuple[Tensor, Tensor | None]:
+def _fused_mask(bucket: Bucket, call: Call, padded: int,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """A bucket's additive mask (dead rows opened) and live rows, for this call."""
-    if not extra:
+    if not call.extra:
         return bucket.fused_mask(dtype)
-    allowed = _call_allowed(bucket, bucket.allowed, key_ok, key_add, is_causal, padded)
+    allowed = _call_allowed(bucket, bucket.allowed, call.key_ok, call.is_causal, padded)
     mask, live = additive(allowed, dtype)
-    if key_add is not None:
+    if call.key_add is not None:
         width = bucket.k_rows.shape[0] // bucket.tiles
-        mask = mask + key_add[bucket.k_rows].view(bucket.tiles, 1, 1, width).to(dtype)
+        mask = mask + call.key_add[bucket.k_rows].view(bucket.tiles, 1, 1, width).to(dtype)
     return mask, live
 
 
@@ -411,10 +294,8 @@ def _key_rows(key_mask: Tensor | None, padded: int) -> tuple[Tensor | None, Tens
     return ok, torch.where(ok, add, 0.0)
 
 
-def _call_allowed(
-    bucket: Bucket, allowed: Tensor, key_ok: Tensor | None, key_add: Tensor | None,
-    is_causal: bool, padded: int,
-) -> Tensor:
+def _call_allowed(bucket: Bucket, allowed: Tensor, key_ok: Tensor | None, is_causal: bool,
+                  padded: int) -> Tensor:
     """``bucket.allowed`` with this call's key mask and causal rule."""
     tiles, width = bucket.tiles, bucket.count * (bucket.q_rows.shape[0] // bucket.tiles)
     if key_ok is not None:
@@ -426,13 +307,13 @@ def _call_allowed(
     return allowed
 
 
-def _check_modifiers(modifiers: Modifiers | None) -> Modifiers | None:
-    """The call's modifiers (None when empty); ALiBi is measured here, on token indices."""
+def _check_modifiers(modifiers: Modifiers | None) -> None:
+    """Raise a ValueError for ALiBi positions or a term: this kernel measures ALiBi on
+    token indices."""
     if modifiers and any(x is not None for x in (modifiers.q_pos, modifiers.k_pos,
                                                  modifiers.bias)):
         raise ValueError("modifiers: the block-sparse kernel measures ALiBi on token indices; "
                          "it takes no q_pos, k_pos or bias")
-    return modifiers if modifiers else None
 
 
 def alibi_term(bucket: Bucket, mods: Modifiers | None, padded: int, dtype: torch.dtype):

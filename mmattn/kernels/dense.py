@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from mmattn._checks import autocast_on
 from mmattn._helpers import exporting
 from mmattn.kernels import _inputs
 from mmattn.kernels import modifiers as _mods
@@ -239,6 +240,21 @@ def clear_dead_keys(mask: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]
 # ---------------------------------------------------------------------- explicit path
 
 
+def weights_dtype(v: Tensor) -> torch.dtype:
+    """The dtype of the attention weights a kernel returns: that of torch's softmax of a
+    ``v.dtype`` tensor here.
+
+    Outside autocast that is ``v.dtype``. Under autocast it follows the device's op lists, as
+    torch's ``F.multi_head_attention_forward`` does (``bmm`` in low precision, then
+    ``softmax``): CUDA runs softmax in float32 (float32 weights), CPU keeps bfloat16 / float16.
+    The op is asked on an empty tensor, so no device's list is written down here.
+    """
+    if not autocast_on(v.device):
+        return v.dtype
+    return torch.softmax(v.new_empty(0), dim=-1).dtype
+
+
+
 def softmax_attend(
     scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
     sinks: Tensor | None = None,
@@ -249,7 +265,9 @@ def softmax_attend(
     feeds it (``scores``, a float ``mask``: a learned bias) needs a gradient. A row with no
     allowed key is opened before the softmax and zeroed after. Half-precision scores get a
     float32 softmax. ``sinks`` (broadcastable to (..., i, 1)) join each row's softmax as a key
-    of value zero; the weights returned leave the sink out.
+    of value zero; the weights returned leave the sink out. The product with ``v`` takes the
+    weights in ``v``'s dtype; the weights returned have :func:`weights_dtype` (float32 under
+    CUDA autocast, as torch's ``nn.MultiheadAttention``).
 
     Shape:
         - scores: (..., i, j); v: (..., j, e_v); mask: broadcastable to (..., i, j)
@@ -280,10 +298,10 @@ def softmax_attend(
         weights = torch._softmax(scores, -1, False, out=scores)
     else:
         weights = torch.softmax(scores, dim=-1)
-    weights = weights.to(v.dtype)
+    weights = weights.to(weights_dtype(v))
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    out = torch.matmul(weights, v)
+    out = torch.matmul(weights.to(v.dtype), v)
     if live is not None:
         out = torch.where(live, out, 0.0)
         weights = torch.where(live, weights, 0.0)
@@ -423,5 +441,6 @@ def _empty(q: Tensor, k: Tensor, v: Tensor, need_weights: bool) -> tuple[Tensor,
     """
     touch = sum(t.flatten()[:0].sum() for t in (q, k, v))
     out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + touch
-    weights = q.new_zeros(*q.shape[:-1], k.shape[-2]) if need_weights else None
+    weights = q.new_zeros(*q.shape[:-1], k.shape[-2], dtype=weights_dtype(v)) if need_weights \
+        else None
     return out, weights

@@ -49,9 +49,11 @@ from mmattn._helpers import exporting
 
 __all__ = ["Modifiers", "alibi_slopes", "distance", "sink_sdpa", "sink_softmax", "with_bias"]
 
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_LSE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: torch's CPU flash kernel (it returns the logsumexp) and its backward, and the dtypes it
+#: takes: the one place the kernels (here, :mod:`mmattn.kernels._block_sparse_cpu`) name them.
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
@@ -203,6 +205,37 @@ def with_bias(mask: Tensor | None, bias: Tensor | None) -> Tensor | None:
     return mask + bias.to(mask.dtype)
 
 
+# ---------------------------------------------------------------------- the sink identity
+
+
+def join_sink(lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """A sink joined to the logsumexp of a row: ``(σ(ℓ − σ_h), ℓ')`` with ``ℓ' =
+    logaddexp(ℓ, σ_h)``; the row's output times the first is its sinked output, and a row
+    without keys (``ℓ = −inf``) gives 0. Every kernel that merges a sink into a logsumexp
+    (the fused sink here, the block-sparse tiles, the sequence-parallel global rows) calls
+    this.
+
+    Shape:
+        - lse: (..., i); sinks: broadcastable to it
+        - returns: two tensors like ``lse`` (its dtype)
+    """
+    total = torch.logaddexp(lse, sinks.to(lse.dtype))
+    return torch.exp(lse - total), total
+
+
+def sink_grad(sinks: Tensor, total: Tensor, grad: Tensor, out: Tensor) -> Tensor:
+    """The gradient of each row's sink logit: ``dσ_h = −exp(σ_h − ℓ') · Σ_e dout_e · out_e``
+    (``out`` the sinked output, ``total`` = ℓ' from :func:`join_sink`); the caller sums it
+    over the rows.
+
+    Shape:
+        - sinks: broadcastable to total; total: (..., i); grad, out: (..., i, e)
+        - returns: like ``total``
+    """
+    rowsum = (grad.to(total.dtype) * out.to(total.dtype)).sum(-1)
+    return -(torch.exp(sinks.to(total.dtype) - total) * rowsum)
+
+
 # ---------------------------------------------------------------------- sinks, explicit
 
 
@@ -216,7 +249,7 @@ def sink_softmax(scores: Tensor, sinks: Tensor) -> Tensor:
     """
     if scores.dtype in (torch.float16, torch.bfloat16):
         scores = scores.float()
-    total = torch.logaddexp(torch.logsumexp(scores, -1, keepdim=True), sinks.to(scores.dtype))
+    _, total = join_sink(torch.logsumexp(scores, -1, keepdim=True), sinks)
     return torch.exp(scores - total)
 
 
@@ -258,7 +291,7 @@ def sink_sdpa(
 def _lse_ok(q: Tensor, mask: Tensor | None, dropout_p: float) -> bool:
     """Whether torch's CPU flash kernel (which returns the logsumexp) takes this call."""
     return (
-        q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in _LSE_DTYPES
+        q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in FLASH_DTYPES
         and not exporting() and not (mask is not None and mask.requires_grad)
     )
 
@@ -268,10 +301,9 @@ class _LseSink(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask, is_causal, scale):  # noqa: D102
-        out, lse = _FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-        lse = lse.unsqueeze(-1)  # (b, h, i, 1), float32 for half inputs
-        total = torch.logaddexp(lse, sinks.to(lse.dtype))
-        out = out * torch.exp(lse - total).to(out.dtype)
+        out, lse = FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        share, total = join_sink(lse, sinks[..., 0])  # (b, h, i), float32 for half inputs
+        out = out * share[..., None].to(out.dtype)
         ctx.save_for_backward(q, k, v, mask, out, total, sinks)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out
@@ -280,12 +312,10 @@ class _LseSink(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: D102
         q, k, v, mask, out, total, sinks = ctx.saved_tensors
         grad = grad.contiguous()
-        dq, dk, dv = _FLASH_BACKWARD(
-            grad, q, k, v, out, total.squeeze(-1), 0.0, ctx.is_causal, attn_mask=mask,
-            scale=ctx.scale,
+        dq, dk, dv = FLASH_BACKWARD(
+            grad, q, k, v, out, total, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale,
         )
-        rowsum = (grad.to(total.dtype) * out.to(total.dtype)).sum(-1, keepdim=True)
-        dsinks = -(torch.exp(sinks.to(total.dtype) - total) * rowsum)
+        dsinks = sink_grad(sinks[..., 0], total, grad, out)[..., None]
         return dq, dk, dv, dsinks.sum_to_size(sinks.shape).to(sinks.dtype), None, None, None
 
 

@@ -129,24 +129,6 @@ def plan(
     return buckets[::-1]
 
 
-#: Items the block-sparse planner sees at most (query tiles of equal count are grouped to fit).
-PLAN_ITEMS = 64
-
-
-def count_groups(busy: Tensor, counts: list[int]) -> list[tuple[Tensor, int]]:
-    """Query tiles (sorted by count, descending) in groups of one count, at most
-    ``ceil(len / PLAN_ITEMS)`` each, so the planner sees about PLAN_ITEMS items."""
-    size = max(1, math.ceil(len(counts) / PLAN_ITEMS))
-    groups, start = [], 0
-    while start < len(counts):
-        stop = start
-        while stop < len(counts) and counts[stop] == counts[start] and stop - start < size:
-            stop += 1
-        groups.append((busy[start:stop], counts[start]))
-        start = stop
-    return groups
-
-
 @dataclass(frozen=True)
 class Layout:
     """Everything a packed call needs besides the tensors: buckets and their row indices.

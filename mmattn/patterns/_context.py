@@ -7,11 +7,13 @@ Token attributes come from ``Tokens.meta`` (DESIGN, fourth wave):
 
 - padding: ``tokens.mask`` (True = real);
 - modality and segment: ``meta["spans"]`` (one segment per span, the span's name its
-  modality; ``(start, stop)`` ints, or (b,) tensors of per-item bounds), else
+  modality; ``(start, stop)`` ints, or (b,) tensors of per-item bounds, 0 <= start <= stop
+  <= l, refused otherwise), else
   ``meta["modality_ids"]`` (b, l) indexing ``meta["modalities"]`` and ``meta["segments"]``
   (b, l), -1 = none;
 - grids: ``meta[name]["grid"]`` / ``["grids"]`` placed at ``meta["spans"][name]``, else
-  ``meta["grid"]`` / ``meta["grids"]`` from position 0;
+  ``meta["grid"]`` / ``meta["grids"]`` from position 0 (``"grids"``: a list of (rows, cols)
+  or a (b, 2) integer tensor);
 - edges: ``meta["edge_index"]`` (2, E), flat ``b * l + i``, sources then targets.
 
 Everything is read once per :class:`TokenContext` and cached; a missing key raises a
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn._helpers import ceil_div
+from mmattn._token_meta import check_spans
 from mmattn.tokens import Tokens
 
 #: Larger than any position or id (pads tile minima), and its negative (pads maxima).
@@ -108,21 +111,27 @@ class TokenContext:
         checks.check_shape(name, value, (self.batch, self.length), "(batch, length)")
         return value.to(self.device, torch.long)
 
-    def span_mask(self, start: Any, stop: Any) -> Tensor:
-        """(B, L) bool: positions inside ``[start, stop)`` (ints or (B,) tensors)."""
-        start, stop = (self._per_item(v) for v in (start, stop))
+    def span_mask(self, start: Tensor, stop: Tensor) -> Tensor:
+        """(B, L) bool: positions inside ``[start, stop)`` ((B,) tensors)."""
         return (self.positions >= start[:, None]) & (self.positions < stop[:, None])
 
-    def _per_item(self, value: Any) -> Tensor:
-        value = torch.as_tensor(value, device=self.device).long()
-        return value.expand(self.batch) if value.dim() == 0 else value.reshape(self.batch)
+    def spans(self) -> dict[str, tuple[Tensor, Tensor]] | None:
+        """``meta["spans"]`` checked (``_token_meta.check_spans``): {name: ((B,) start,
+        (B,) stop)}, or None without spans."""
+        return self.cached("spans", self._spans)
+
+    def _spans(self) -> dict[str, tuple[Tensor, Tensor]] | None:
+        spans = self.meta.get("spans")
+        if spans is None:
+            return None
+        return check_spans("meta['spans']", spans, self.batch, self.length, self.device)
 
     def modalities(self) -> tuple[Tensor, tuple[str, ...]]:
         """(B, L) int64 modality index of each token (-1 = none) and the names it indexes."""
         return self.cached("modalities", self._modalities)
 
     def _modalities(self) -> tuple[Tensor, tuple[str, ...]]:
-        spans = self.meta.get("spans")
+        spans = self.spans()
         if spans is not None:
             return self._span_ids(spans), tuple(spans)
         if "modality_ids" not in self.meta:
@@ -134,15 +143,11 @@ class TokenContext:
         ids = self._check_ids("meta['modality_ids']", self.meta["modality_ids"])
         if "modalities" not in self.meta:
             raise self.missing("modalities", "meta['modality_ids']", "the names it indexes")
-        names = tuple(self.meta["modalities"])
+        names = checks.check_names("meta['modalities']", self.meta["modalities"])
         checks.check_range("meta['modality_ids']", ids, -1, len(names), "len(modalities)")
         return ids, names
 
-    def _span_ids(self, spans: Any) -> Tensor:
-        if not isinstance(spans, Mapping):
-            raise TypeError(
-                f"meta['spans'] must map names to (start, stop), got {type(spans).__name__}"
-            )
+    def _span_ids(self, spans: Mapping[str, tuple[Tensor, Tensor]]) -> Tensor:
         ids = torch.full((self.batch, self.length), -1, dtype=torch.long, device=self.device)
         for index, bounds in enumerate(spans.values()):
             ids = torch.where(self.span_mask(*bounds), index, ids)
@@ -153,7 +158,7 @@ class TokenContext:
         return self.cached("segments", self._segments)
 
     def _segments(self) -> Tensor | None:
-        spans = self.meta.get("spans")
+        spans = self.spans()
         if spans is not None:
             return self._span_ids(spans)
         if "segments" in self.meta:
@@ -194,14 +199,12 @@ class TokenContext:
 
     def _grid(self, need: str) -> Grid:
         placed = []  # (start per item (B,), stop per item (B,), dims per item (B, 2))
-        spans = self.meta.get("spans")
-        if isinstance(spans, Mapping):
-            for name, (start, stop) in spans.items():
-                sub = self.meta.get(name)
-                dims = _grid_dims(sub, f"meta[{name!r}]", self.batch) if isinstance(
-                    sub, Mapping) else None
-                if dims is not None:
-                    placed.append((self._per_item(start), self._per_item(stop), dims))
+        for name, (start, stop) in (self.spans() or {}).items():
+            sub = self.meta.get(name)
+            dims = _grid_dims(sub, f"meta[{name!r}]", self.batch) if isinstance(
+                sub, Mapping) else None
+            if dims is not None:
+                placed.append((start, stop, dims))
         if not placed:
             dims = _grid_dims(self.meta, "meta", self.batch)
             if dims is None:
@@ -219,7 +222,7 @@ class TokenContext:
         for index, (start, stop, dims) in enumerate(placed):
             dims = dims.to(self.device)
             size = dims[:, 0] * dims[:, 1]
-            if bool((size > stop - start).any()):
+            if self.length and bool((size > stop - start).any()):  # L = 0: nothing placed
                 raise ValueError(
                     f"grid {dims.tolist()} has more cells than the {(stop - start).tolist()} "
                     "tokens it is placed on; meta 'grid' must describe the tokens"
@@ -264,9 +267,11 @@ def _grid_dims(meta: Mapping[str, Any], where: str, batch: int) -> Tensor | None
     """(B, 2) int64 grid of each item from ``meta['grid']`` / ``meta['grids']``, or None."""
     if "grid" in meta:
         rows, cols = checks.check_grid(f"{where}['grid']", meta["grid"])
-        return torch.tensor([[rows, cols]] * batch, dtype=torch.long)
+        return torch.tensor([rows, cols], dtype=torch.long).expand(batch, 2)  # also B = 0
     if "grids" in meta:
         grids = meta["grids"]
+        if isinstance(grids, Tensor):  # (B, 2), as NeighborhoodAttention takes it
+            return _grid_table(f"{where}['grids']", grids, batch)
         if not isinstance(grids, Sequence) or len(grids) != batch:
             raise ValueError(
                 f"{where}['grids'] must hold one (rows, cols) per item ({batch}), got {grids!r}"
@@ -274,6 +279,15 @@ def _grid_dims(meta: Mapping[str, Any], where: str, batch: int) -> Tensor | None
         pairs = [checks.check_grid(f"{where}['grids'][{b}]", g) for b, g in enumerate(grids)]
         return torch.tensor(pairs, dtype=torch.long).reshape(batch, 2)
     return None
+
+
+def _grid_table(name: str, grids: Tensor, batch: int) -> Tensor:
+    """A (B, 2) integer tensor of per-item (rows, cols), each >= 1, as int64 on the CPU."""
+    checks.check_integer_dtype(name, grids, "(rows, cols) of each item")
+    checks.check_shape(name, grids, (batch, 2), "(batch, 2): one (rows, cols) per item")
+    if grids.numel() and not torch.compiler.is_compiling() and bool((grids < 1).any()):
+        raise ValueError(f"{name} must hold sides >= 1, got {grids.tolist()}")
+    return grids.to("cpu", torch.long)
 
 
 class Tiles:

@@ -3,7 +3,7 @@
 The reference is the offline front end on the whole waveform (``features(wave)`` and
 ``embedder(wave, lengths)``). The stream gets the same waveform cut into pieces of random
 sizes (0 samples included), the last one with ``final=True``; every frame, the edge frames
-included, must agree within 1e-5, and so must the Tokens and their masks.
+included, must agree within 1e-5 of their size, and so must the Tokens and their masks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from adapters import AudioFrameEmbedder
 from adapters.audio import AudioStream
+from tests._tolerance import assert_close_scaled
 
 pytest.importorskip("torchaudio")
 
@@ -56,7 +57,7 @@ def test_streamed_frames_equal_offline_frames(frontend, n_fft, hop, samples):
     got = [audio.features(wave[:, cut], stream=stream, final=cut is cuts[-1]) for cut in cuts]
     got = torch.cat(got, dim=1)
     assert got.shape == want.shape == (2, 1 + samples // hop, want.shape[-1])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert_close_scaled(got, want, atol=1e-5)  # log-mel features: values up to ~40
     assert stream.frames == want.shape[1] and stream.ended
 
 
@@ -76,7 +77,7 @@ def test_streamed_tokens_equal_a_padded_batch_with_lengths(positional, clips):
     assert offsets == [sum(o.length for o in outs[:i]) for i in range(len(outs))]
     x = torch.cat([out.x for out in outs], dim=1)
     mask = torch.cat([out.mask for out in outs], dim=1)
-    torch.testing.assert_close(x, want.x, atol=1e-5, rtol=0)
+    assert_close_scaled(x, want.x, atol=1e-5)  # embedded frames: values near 170
     assert torch.equal(mask, want.mask)
 
 

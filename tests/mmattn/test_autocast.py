@@ -8,8 +8,19 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmattn import MultiHeadAttention, replace_attention
+from mmattn import (
+    AdditiveAttention,
+    EdgeAttention,
+    LocalAttention,
+    MultiHeadAttention,
+    NeighborhoodAttention,
+    Tokens,
+    replace_attention,
+)
+from mmattn import patterns as P
 from mmattn.functional import fused_attn
+from mmattn.integrations import huggingface as hf
+from mmattn.kernels import dense as _kernel
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CASES = [
@@ -23,14 +34,16 @@ TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 class _SoftmaxDtypes(TorchDispatchMode):
-    """Records the input dtype of every softmax the kernels run (below autocast)."""
+    """Records the input dtype of every softmax the kernels run (below autocast). An empty
+    input computes nothing: it is the kernels' probe of softmax's dtype (``weights_dtype``)."""
 
     def __init__(self):
         super().__init__()
         self.dtypes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten._softmax, torch.ops.aten.softmax):
+        if func.overloadpacket in (torch.ops.aten._softmax, torch.ops.aten.softmax) and \
+                args[0].numel():
             self.dtypes.append(args[0].dtype)
         return func(*args, **(kwargs or {}))
 
@@ -123,3 +136,52 @@ def test_without_autocast_mixed_dtypes_are_still_errors():
     with torch.autocast("cuda", dtype=torch.float16, enabled=torch.cuda.is_available()):
         with pytest.raises(TypeError, match="the module's parameters have dtype"):
             mha(x.bfloat16())
+
+
+def _weights_cases():
+    x = torch.randn(2, 16, 16)
+    kpm = torch.zeros(2, 16, dtype=torch.bool)
+    kpm[1, 12:] = True
+    sparse = P.window(4).compile(Tokens(x, ~kpm), 8)
+    packed = torch.nested.nested_tensor([x[0, :5], x[1, :9]], layout=torch.jagged)
+    edges = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    return {
+        "dense": lambda: MultiHeadAttention(16, 4)(x, key_padding_mask=kpm, need_weights=True),
+        "gqa+sinks+softcap": lambda: MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True,
+                                                        softcap=3.0)(x, need_weights=True),
+        "no keys": lambda: MultiHeadAttention(16, 4)(x, x[:, :0], x[:, :0], need_weights=True),
+        "block-sparse": lambda: MultiHeadAttention(16, 4)(x, attn_mask=sparse, need_weights=True),
+        "packed": lambda: MultiHeadAttention(16, 4)(packed, need_weights=True),
+        "local+global": lambda: LocalAttention(16, 4, 3, num_global_tokens=2)(
+            x, key_padding_mask=kpm, need_weights=True),
+        "neighborhood": lambda: NeighborhoodAttention(16, 4, 3)(
+            x, key_padding_mask=kpm, grid=(4, 4), need_weights=True),
+        "additive": lambda: AdditiveAttention(16, 4)(x, key_padding_mask=kpm, need_weights=True),
+        "edge": lambda: EdgeAttention(16, 4)(x, edge_index=edges, need_weights=True),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_weights_cases()))
+def test_every_kernel_returns_float32_weights_where_autocast_softmax_is_float32(
+        kind, monkeypatch):
+    """CUDA autocast's softmax gives float32 (torch's MHA returns float32 weights there).
+    Emulated on the CPU: every kernel's weights take that dtype, its output stays bf16."""
+    monkeypatch.setattr(_kernel, "weights_dtype",
+                        lambda v: torch.float32 if torch.is_autocast_enabled("cpu") else v.dtype)
+    call = _weights_cases()[kind]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, weights = call()
+    weights = weights if isinstance(weights, list) else [weights]
+    assert out.dtype == torch.bfloat16
+    assert {w.dtype for w in weights} == {torch.float32}
+
+
+def test_hf_backend_weights_keep_the_query_dtype_as_transformers_eager(monkeypatch):
+    """transformers' eager backend casts its float32 softmax to the query's dtype; so does
+    the backend, also where the kernels' weights are float32 (CUDA autocast, emulated)."""
+    monkeypatch.setattr(_kernel, "weights_dtype",
+                        lambda v: torch.float32 if torch.is_autocast_enabled("cpu") else v.dtype)
+    q, k, v = (torch.randn(2, 4, 6, 8).bfloat16() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, weights = hf.attention_forward(nn.Module(), q, k, v, None, output_attentions=True)
+    assert out.dtype == weights.dtype == torch.bfloat16

@@ -64,7 +64,7 @@ def test_tensor_offset_equals_int_offset():
     rope = RotaryEmbedding(8)
     x = torch.randn(2, 3, 5, 8)
     torch.testing.assert_close(rope(x, torch.tensor(7)), rope(x, 7), atol=0, rtol=0)
-    torch.testing.assert_close(rope(x[:, :, 2:], 2), rope(x)[:, :, 2:], atol=1e-6, rtol=0)
+    torch.testing.assert_close(rope(x[:, :, 2:], 2), rope(x)[:, :, 2:], atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------- position= in attention
@@ -84,7 +84,7 @@ def test_rotary_attention_equals_manual_reference(device, fused):
     ))
     with fused_attn(fused):
         out, _ = mha(x, is_causal=True)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_rotary_local_attention_equals_full_with_band():
@@ -93,7 +93,7 @@ def test_rotary_local_attention_equals_full_with_band():
     full.load_state_dict(local.state_dict())
     x = torch.randn(2, 20, 32)
     band = (torch.arange(20)[:, None] - torch.arange(20)[None, :]).abs() > 3
-    torch.testing.assert_close(local(x)[0], full(x, attn_mask=band)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(local(x)[0], full(x, attn_mask=band)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_rotary_makes_self_attention_shift_invariant():
@@ -104,8 +104,8 @@ def test_rotary_makes_self_attention_shift_invariant():
     padded = torch.cat([torch.randn(1, 3, 16), x], dim=1)
     kpm = torch.tensor([[True] * 3 + [False] * 6])
     out2, weights2 = mha(padded, key_padding_mask=kpm, need_weights=True)
-    torch.testing.assert_close(out2[:, 3:], out, atol=1e-5, rtol=0)
-    torch.testing.assert_close(weights2[:, 3:, 3:], weights, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out2[:, 3:], out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights2[:, 3:, 3:], weights, atol=1e-5, rtol=1e-5)
 
 
 def test_position_accepts_any_module_called_with_offset():

@@ -59,12 +59,12 @@ def test_equals_naive_loop_with_masks_and_different_widths(device, dtype):
             with fused_attn(fused):
                 out, w = module(query, key, value, key_padding_mask=kpm, attn_mask=attn_mask,
                                 need_weights=True, average_attn_weights=False)
-                torch.testing.assert_close(out.cpu(), ref, atol=tol, rtol=0)
-                torch.testing.assert_close(w.cpu(), ref_w, atol=tol, rtol=0)
+                torch.testing.assert_close(out.cpu(), ref, atol=tol, rtol=tol)
+                torch.testing.assert_close(w.cpu(), ref_w, atol=tol, rtol=tol)
                 out2, _ = module(query, key, value, key_padding_mask=kpm, attn_mask=attn_mask)
-                torch.testing.assert_close(out2.cpu(), ref, atol=tol, rtol=0)
+                torch.testing.assert_close(out2.cpu(), ref, atol=tol, rtol=tol)
     # Sample 0, query 1: no allowed key -> output is exactly out_proj's bias.
-    torch.testing.assert_close(out[0, 1], module.out_proj.bias, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[0, 1], module.out_proj.bias, atol=1e-6, rtol=1e-6)
 
 
 def test_chunked_path_equals_explicit_and_grads(monkeypatch):
@@ -82,9 +82,9 @@ def test_chunked_path_equals_explicit_and_grads(monkeypatch):
         out.square().sum().backward()
         outs.append(out)
         grads.append([p.grad.clone() for p in module.parameters()])
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=0)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=1e-12)
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 def test_causal_equals_naive_with_triangle():
@@ -93,7 +93,7 @@ def test_causal_equals_naive_with_triangle():
     hidden = torch.ones(5, 5, dtype=torch.bool).triu(1)
     with torch.no_grad():
         ref, _ = naive(module, x, x, x, attn_mask=hidden)
-        torch.testing.assert_close(module(x, is_causal=True)[0], ref, atol=1e-10, rtol=0)
+        torch.testing.assert_close(module(x, is_causal=True)[0], ref, atol=1e-10, rtol=1e-10)
 
 
 def test_gradcheck_float64_with_dead_rows():
@@ -105,7 +105,7 @@ def test_gradcheck_float64_with_dead_rows():
     out = module(x, key_padding_mask=kpm)[0]
     out.sum().backward()
     assert torch.isfinite(x.grad).all()
-    torch.testing.assert_close(out[1], module.out_proj.bias.expand(3, 4), atol=1e-12, rtol=0)
+    torch.testing.assert_close(out[1], module.out_proj.bias.expand(3, 4), atol=1e-12, rtol=1e-12)
 
 
 def test_padded_values_do_not_move_real_outputs():
@@ -117,7 +117,7 @@ def test_padded_values_do_not_move_real_outputs():
     changed[:, 4:] = 100 * torch.randn(2, 2, 8)
     a = module(x, key_padding_mask=kpm)[0][:, :4]
     b = module(changed, key_padding_mask=kpm)[0][:, :4]
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_repr_reset_and_not_a_torch_module():
@@ -160,8 +160,8 @@ def test_compiles_fullgraph_with_masks(fused):
         want, want_w = attn(q, kv, key_padding_mask=kpm, attn_mask=band, need_weights=True)
         got, got_w = compiled(q, kv, key_padding_mask=kpm, attn_mask=band, need_weights=True)
         plain, _ = compiled(q, kv, key_padding_mask=kpm)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=0)
-    torch.testing.assert_close(plain, attn(q, kv, key_padding_mask=kpm)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, attn(q, kv, key_padding_mask=kpm)[0], atol=1e-5, rtol=1e-5)
     got.square().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in attn.parameters())

@@ -198,7 +198,7 @@ def test_transformer_layer_fast_path_declines_with_the_views():
     layer.self_attn.register_forward_pre_hook(lambda m, args: calls.append(1))
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), ref(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer(x), ref(x), atol=1e-5, rtol=1e-5)
     assert calls == [1]  # our forward ran: the fused encoder-layer kernel declined
 
 
@@ -226,7 +226,7 @@ def test_jit_script_compiles_the_torch_twin(kwargs):
         want = module(q, k, v, key_padding_mask=kpm, need_weights=True,
                       average_attn_weights=average)
         for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 class _Holder(nn.Module):
@@ -258,7 +258,7 @@ def test_jit_script_of_a_model_puts_the_twin_into_the_eager_model_too():
     loaded = torch.jit.load(buffer)
     for other in (scripted, model, loaded):
         for a, b in zip(other(q, k, kpm), want):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_jit_script_of_many_dropped_modules_keeps_each_twin():

@@ -39,8 +39,10 @@ def _check_same(ref, ours, device="cpu", k_len=7):
     kpm = torch.zeros(2, k_len, dtype=torch.bool, device=device)
     kpm[1, 4:] = True
     expected = ref(q, *kv, key_padding_mask=kpm)[0]
-    torch.testing.assert_close(ours(q, *kv, key_padding_mask=kpm)[0], expected, atol=1e-5,
-                               rtol=1e-5)
+    # N(0, 1) weights give outputs near 70; torch (bmm) and ours (a fused kernel on CUDA)
+    # round differently, so the absolute tolerance scales with the reference's size.
+    torch.testing.assert_close(ours(q, *kv, key_padding_mask=kpm)[0], expected,
+                               atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -118,7 +120,7 @@ def test_nested_input_equals_each_sample_alone(layout, device):
     outs = out.unbind()
     for b, (q, k) in enumerate(zip(q_parts, k_parts)):
         ref_out, ref_w = mha(q, k, need_weights=True)
-        torch.testing.assert_close(outs[b], ref_out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(outs[b], ref_out, atol=1e-5, rtol=1e-5)
         if layout == torch.jagged:  # packed input: one (L_b, S_b) map per item (packed.md)
             torch.testing.assert_close(weights[b], ref_w)
             continue
@@ -130,7 +132,7 @@ def test_nested_input_equals_each_sample_alone(layout, device):
         q.grad = None
     sum(mha(q, k)[0].sum() for q, k in zip(q_parts, k_parts)).backward()
     for g, q in zip(grads, q_parts):
-        torch.testing.assert_close(g, q.grad, atol=1e-5, rtol=0)
+        torch.testing.assert_close(g, q.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_nested_self_attention_with_causal_and_per_head_weights():

@@ -33,10 +33,10 @@ def test_identity_projection_equals_multihead(device, dtype, length):
     for fused in (True, False):
         with fused_attn(fused):
             out, _ = lin(x, key_padding_mask=kpm)
-            torch.testing.assert_close(out, ref, atol=tol, rtol=0)
+            torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     out, w = lin(x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
     assert w.shape == (3, 4, length, 8)
-    torch.testing.assert_close(w[..., :length], ref_w, atol=tol, rtol=0)
+    torch.testing.assert_close(w[..., :length], ref_w, atol=tol, rtol=tol)
     assert torch.all(w[..., length:] == 0)
 
 
@@ -58,9 +58,9 @@ def test_random_projection_equals_formula():
             kp = (lin.key_seq_proj[:, :7] @ k).view(4, 2, 4).transpose(0, 1)  # (h, p, e)
             vp = (lin.value_seq_proj[:, :7] @ v).view(4, 2, 4).transpose(0, 1)
             probs = torch.softmax(q @ kp.transpose(1, 2) / 2.0, dim=-1)
-            torch.testing.assert_close(w[b], probs, atol=1e-10, rtol=0)
+            torch.testing.assert_close(w[b], probs, atol=1e-10, rtol=1e-10)
             ref = lin.out_proj((probs @ vp).transpose(0, 1).reshape(3, 8))
-            torch.testing.assert_close(out[b], ref, atol=1e-10, rtol=0)
+            torch.testing.assert_close(out[b], ref, atol=1e-10, rtol=1e-10)
 
 
 def test_padding_equals_truncated_input_and_never_leaks():
@@ -70,15 +70,15 @@ def test_padding_equals_truncated_input_and_never_leaks():
     kpm[:, 6:] = True
     padded, _ = lin(x, key_padding_mask=kpm)
     truncated, _ = lin(x[:, :6])
-    torch.testing.assert_close(padded[:, :6], truncated, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded[:, :6], truncated, atol=1e-5, rtol=1e-5)
     changed = x.clone()
     changed[:, 6:] = 1e3 * torch.randn(2, 4, 16)
     moved = lin(changed, key_padding_mask=kpm)[0]
-    torch.testing.assert_close(moved[:, :6], padded[:, :6], atol=1e-4, rtol=0)
+    torch.testing.assert_close(moved[:, :6], padded[:, :6], atol=1e-4, rtol=1e-4)
     # The same with a float 0 / -inf key padding mask.
     additive = torch.zeros(2, 10).masked_fill(kpm, float("-inf"))
     torch.testing.assert_close(lin(x, key_padding_mask=additive)[0], padded, atol=1e-6,
-                               rtol=0)
+                               rtol=1e-6)
 
 
 def test_fully_padded_sample_gives_bias_and_finite_grads():
@@ -87,7 +87,7 @@ def test_fully_padded_sample_gives_bias_and_finite_grads():
     kpm = torch.zeros(2, 4, dtype=torch.bool)
     kpm[1] = True
     out = lin(x, key_padding_mask=kpm)[0]
-    torch.testing.assert_close(out[1], lin.out_proj.bias.expand(4, 8), atol=1e-12, rtol=0)
+    torch.testing.assert_close(out[1], lin.out_proj.bias.expand(4, 8), atol=1e-12, rtol=1e-12)
     out.sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(lin.key_seq_proj.grad).all()
     assert torch.autograd.gradcheck(lambda t: lin(t, key_padding_mask=kpm)[0], (x.detach()

@@ -90,10 +90,10 @@ def test_equals_dense_band(device, dtype, case, pad):
     for fused in (True, False):
         with fused_attn(fused):
             out, _ = local(x, key_padding_mask=kpm)
-            torch.testing.assert_close(out, ref, atol=tol, rtol=0)
+            torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     out, w = local(x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
-    torch.testing.assert_close(out, ref, atol=tol, rtol=0)
-    torch.testing.assert_close(w, ref_w, atol=tol, rtol=0)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(w, ref_w, atol=tol, rtol=tol)
     assert torch.isfinite(out).all()
 
 
@@ -105,13 +105,13 @@ def test_float_key_padding_mask_and_attn_mask_fallback(device):
     band = ~reference_allowed(13, 2, False, 1).to(device)
     out, _ = local(x, key_padding_mask=kpm)
     ref, _ = dense(x, key_padding_mask=kpm, attn_mask=band)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # An extra attn_mask is honoured exactly (dense fallback): band AND user mask.
     user = torch.rand(13, 13, device=device) < 0.3
     out, w = local(x, key_padding_mask=kpm, attn_mask=user, need_weights=True)
     ref, ref_w = dense(x, key_padding_mask=kpm, attn_mask=user | band, need_weights=True)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(w, ref_w, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w, ref_w, atol=1e-5, rtol=1e-5)
 
 
 def test_is_causal_argument_equals_causal_flag():
@@ -119,7 +119,7 @@ def test_is_causal_argument_equals_causal_flag():
     plain = LocalAttention(16, 4, 3, block_size=4)
     plain.load_state_dict(causal.state_dict())
     x = torch.randn(2, 11, 16)
-    torch.testing.assert_close(plain(x, is_causal=True)[0], causal(x)[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(plain(x, is_causal=True)[0], causal(x)[0], atol=1e-6, rtol=1e-6)
     assert not torch.allclose(plain(x)[0], causal(x)[0], atol=1e-3)
 
 
@@ -127,12 +127,12 @@ def test_layouts_unbatched_and_sequence_first():
     local, dense = pair(2, block_size=4)
     x = torch.randn(9, 16)
     band = ~band_mask(9, 2)
-    torch.testing.assert_close(local(x)[0], dense(x, attn_mask=band)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(local(x)[0], dense(x, attn_mask=band)[0], atol=1e-5, rtol=1e-5)
     seq_first = LocalAttention(16, 4, 2, block_size=4, batch_first=False)
     seq_first.load_state_dict(local.state_dict())
     xb = torch.randn(9, 2, 16)  # (L, B, D)
     ref = dense(xb.transpose(0, 1), attn_mask=band)[0].transpose(0, 1)
-    torch.testing.assert_close(seq_first(xb)[0], ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(seq_first(xb)[0], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_fully_masked_rows_give_zero_and_finite_grads(device):
@@ -145,7 +145,7 @@ def test_fully_masked_rows_give_zero_and_finite_grads(device):
         with fused_attn(fused):
             out, w = local(x, key_padding_mask=kpm, need_weights=fused)
             bias = local.out_proj.bias.expand(2, 6, 16)
-            torch.testing.assert_close(out[:, 6:], bias, atol=1e-6, rtol=0)
+            torch.testing.assert_close(out[:, 6:], bias, atol=1e-6, rtol=1e-6)
             if w is not None:
                 assert torch.all(w[:, 6:] == 0)
             out.sum().backward()
@@ -162,7 +162,7 @@ def test_padded_values_do_not_move_real_outputs():
     changed = x.clone()
     changed[:, 10:] = 1e3 * torch.randn(2, 5, 16)
     a, b = local(x, key_padding_mask=kpm)[0], local(changed, key_padding_mask=kpm)[0]
-    torch.testing.assert_close(a[:, :10], b[:, :10], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a[:, :10], b[:, :10], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -173,10 +173,10 @@ def test_functional_local_attention_equals_sdpa_with_band(device, causal):
     allowed = band_mask(29, 4, causal=causal, device=device) & real[:, None, None, :]
     ref = scaled_dot_product_attention(q, k, v, allowed)
     out = local_attention(q, k, v, 4, causal=causal, key_mask=real)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # (B, L, E) input: one head.
     out3 = local_attention(q[:, 0], k[:, 0], v[:, 0], 4, causal=causal, key_mask=real)
-    torch.testing.assert_close(out3, ref[:, 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out3, ref[:, 0], atol=1e-5, rtol=1e-5)
 
 
 def test_gradcheck_blocked_kernel_float64():
@@ -211,7 +211,7 @@ def test_gradients_equal_dense():
     dense(x, key_padding_mask=kpm, attn_mask=band)[0].square().sum().backward()
     for name, p in local.named_parameters():
         ref = dict(dense.named_parameters())[name].grad
-        torch.testing.assert_close(p.grad, ref, atol=1e-10, rtol=0)
+        torch.testing.assert_close(p.grad, ref, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])

@@ -146,7 +146,7 @@ def _grads(out, leaves):
 def _check(got, want, out, dead, bias):
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all()
-        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=0)
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
     if dead.any():  # no allowed key: the attention result is 0, the output out_proj's bias
         torch.testing.assert_close(out[dead], bias.expand_as(out[dead]))
 
@@ -178,7 +178,7 @@ def test_neighborhood_modifiers_equal_the_float64_reference(name, mods, fused):
     want = list(_grads(want_out, [x64] + [p for p in (ref.sinks, nat64) if p is not None]))
     if nat64 is not None:  # NATTEN's layout -> Swin's: flip both offset axes, flatten
         want[-1] = rearrange(want[-1].flip(1, 2), "h r c -> (r c) h")
-    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     _check(got, want, out, ~weights.detach().any(-1).any(1), module.out_proj.bias)
 
 
@@ -195,9 +195,9 @@ def test_neighborhood_weights_and_the_dense_fallback_follow_the_reference(fused)
                               average_attn_weights=False)
         dense, _ = module(x, key_padding_mask=padding, grid=grid,
                           attn_mask=torch.zeros(x.shape[1], x.shape[1], dtype=torch.bool))
-    torch.testing.assert_close(weights.double(), want_w, atol=1e-6, rtol=0)
+    torch.testing.assert_close(weights.double(), want_w, atol=1e-6, rtol=1e-6)
     for got in (out, dense):
-        torch.testing.assert_close(got.double(), want_out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.double(), want_out, atol=1e-5, rtol=1e-5)
 
 
 def test_neighborhood_packed_items_equal_each_item_alone():
@@ -208,7 +208,7 @@ def test_neighborhood_packed_items_equal_each_item_alone():
     packed = torch.nested.nested_tensor(items, layout=torch.jagged)
     out, _ = module(packed, grid=grids)
     for item, g, got in zip(items, grids, out.unbind()):
-        torch.testing.assert_close(got, module(item[None], grid=g)[0][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, module(item[None], grid=g)[0][0], atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------- edges
@@ -282,7 +282,7 @@ def test_edge_modifiers_equal_the_float64_reference(name, mods, fused):
     b64 = None if bias is None else bias.detach().double().requires_grad_()
     want_out, weights = reference_edges(ref, x64, edges, b64, padding)
     want = _grads(want_out, [t for t in (x64, ref.sinks, b64) if t is not None])
-    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     dead = ~weights.detach().any(-1).any(1)
     assert dead.any() or module.add_self_loops
     _check(got, want, out, dead, module.out_proj.bias)
@@ -294,7 +294,7 @@ def test_edge_weights_leave_the_sink_out():
                         need_weights=True, average_attn_weights=False)
     want = reference_edges(copy.deepcopy(module).double(), x.double(), edges, bias.double(),
                            padding)[1]
-    torch.testing.assert_close(weights.to_dense().double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(weights.to_dense().double(), want, atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------- bad arguments

@@ -77,7 +77,7 @@ def test_equals_dense_kernel(name, block, fused):
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
             if need_weights:
-                torch.testing.assert_close(w, ref_w, atol=1e-12, rtol=0)
+                torch.testing.assert_close(w, ref_w, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -56,7 +56,7 @@ def module(kv_heads, **mods):
 def run(attn, x, attn_mask, **kwargs):
     xi = x.clone().requires_grad_()
     out, w = attn(xi, attn_mask=attn_mask, average_attn_weights=False, **kwargs)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)
     params = [xi, *attn.parameters()]
     return out, w, torch.autograd.grad(out, params, grad)
 

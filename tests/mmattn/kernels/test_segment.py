@@ -55,7 +55,7 @@ def test_both_paths_equal_the_loop(kv_heads):
     for fused in (True, False):
         with fused_attn(fused):
             got, _ = edge_attend(q, k, v, src, dst, bias=bias)
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     assert got[-1].abs().max() == 0  # the query without an edge gets zeros
 
 
@@ -86,7 +86,7 @@ def test_fused_equals_explicit_gradients():
         out = fn(*inputs)
         results.append([out, *torch.autograd.grad((out * weight).sum(), inputs)])
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 def test_dropout_keeps_the_mask_for_backward():
@@ -103,10 +103,10 @@ def test_dropout_keeps_the_mask_for_backward():
     scores = (qr[dst] * kr[src]).sum(-1) * 0.5 + br
     weights = _segment.segment_softmax(scores, dst, q.shape[0]) * keep / 0.6
     want = torch.zeros_like(out).index_add(0, dst, weights[..., None] * vr[src])
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
     for a, b in zip(torch.autograd.grad(out.sum(), inputs),
                     torch.autograd.grad(want.sum(), ref_inputs)):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 def test_weights_are_a_distribution_per_query():
@@ -143,11 +143,11 @@ def test_edges_in_any_order_equal_the_loop(fused):
         got, _ = edge_attend(*inputs[:3], src.int(), dst.int(), bias=inputs[3])
     want_inputs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
     want = naive(*want_inputs[:3], src, dst, want_inputs[3])
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     weight = torch.randn(got.shape, dtype=got.dtype)
     for a, b in zip(torch.autograd.grad((got * weight).sum(), inputs),
                     torch.autograd.grad((want * weight).sum(), want_inputs)):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     _, weights = edge_attend(q, k, v, src, dst, bias=bias, need_weights=True)
     _, sorted_weights = edge_attend_explicit(q, k, v, src, dst, bias=bias)
     torch.testing.assert_close(weights, sorted_weights)  # in the order of the edges given
