@@ -1,0 +1,153 @@
+"""Each structured kernel's hand-over to an engine (:mod:`mmattn.kernels.engines`).
+
+Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``l`` length, ``e`` head
+width.
+
+A kernel calls its route first; the route asks :func:`~mmattn.kernels.engines.select` and
+either runs the engine and returns the output, or returns None (the kernel runs as before).
+On the CPU, with no engine forced, a route costs one check (:func:`engines.considered`).
+Every route reports the engine that ran (path "varlen" / "flex") or, when it declines on a
+device it was asked about, the fallback's reason (:func:`fallback_facts`), for ``explain``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmattn._helpers import exporting
+from mmattn.kernels import dense as _kernel
+from mmattn.kernels import engines
+from mmattn.kernels.modifiers import Modifiers
+
+_MASKS: OrderedDict = OrderedDict()  # geometry → BlockMask (the key mask is a score term)
+_MASKS_KEPT = 32
+
+
+def facts(kind: str, q: Tensor, k: Tensor, v: Tensor, *, groups: int, need_weights: bool,
+          dropout_p: float, key_mask: Tensor | None, modifiers: Modifiers | None,
+          global_tokens: bool = False) -> engines.Call:
+    """The :class:`~mmattn.kernels.engines.Call` of a kernel's arguments."""
+    mods = modifiers if modifiers else None
+    params = [q, k, v] + ([] if mods is None else [mods.sinks, mods.slopes])
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in params)
+    names = () if mods is None else tuple(
+        n for n, on in (("sinks", mods.sinks is not None), ("softcap", mods.softcap is not None),
+                        ("alibi", mods.slopes is not None)) if on)
+    traced = exporting() or torch.compiler.is_compiling() or not isinstance(q.shape[2], int)
+    return engines.Call(
+        kind=kind, device=q.device.type, dtype=q.dtype, head_dim=int(q.shape[-1]),
+        groups=groups, need_weights=need_weights, dropout=dropout_p > 0,
+        fused=_kernel.use_fused_attn(), key_mask=key_mask is not None, modifiers=names,
+        grad=grad, traced=traced, global_tokens=global_tokens,
+    )
+
+
+def report(choice: engines.Choice, path: str, **facts_: Any) -> None:
+    """Tell explain that an engine ran (path = the engine) and why it was chosen."""
+    if _kernel.reporting():
+        _kernel.report(choice.engine, [], engine=choice.engine, engine_reason=choice.reason,
+                       kernel=path, **facts_)
+
+
+@contextlib.contextmanager
+def fallback_facts(choice: engines.Choice | None) -> Iterator[None]:
+    """Inside: every report of the fallback kernel carries the engine "fallback" and why."""
+    if choice is None or not _kernel.reporting():
+        yield
+        return
+    _kernel._FACTS.append({**_kernel._FACTS[-1], "engine": "fallback",
+                           "engine_reason": choice.reason})
+    try:
+        yield
+    finally:
+        _kernel._FACTS.pop()
+
+
+def block_mask(key: tuple, make_mod: Callable[[], Callable], length: int,
+               device: torch.device, block: int):
+    """The BlockMask of the geometry-only mask_mod ``make_mod()`` (one for every batch and
+    head), cached by ``key`` (the geometry); compiled mask creation on CUDA, no (L, L)
+    tensor there."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (key, length, str(device), block)
+    if key in _MASKS:
+        _MASKS.move_to_end(key)
+        return _MASKS[key]
+    mask = create_block_mask(make_mod(), None, None, length, length, device=device,
+                             BLOCK_SIZE=block, _compile=torch.device(device).type == "cuda")
+    _MASKS[key] = mask
+    while len(_MASKS) > _MASKS_KEPT:
+        _MASKS.popitem(last=False)
+    return mask
+
+
+def flex_block(device: torch.device) -> int:
+    """Flex's tile on this device (128 on CUDA; 16 on a forced CPU run, whose test shapes
+    are small)."""
+    return 128 if device.type == "cuda" else 16
+
+
+def band_mask_mod(window: int, causal: bool, num_global_tokens: int,
+                  device: torch.device) -> Callable:
+    """LocalAttention's rule as a mask_mod (|i − j| ≤ w, j ≤ i when causal, the first g
+    tokens global); the numbers are tensors, so every window shares one compiled graph."""
+    w = torch.tensor(window, device=device)
+    g = torch.tensor(num_global_tokens, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = (q_idx - kv_idx).abs() <= w
+        if num_global_tokens:
+            ok = ok | (q_idx < g) | (kv_idx < g)
+        if causal:
+            ok = ok & (kv_idx <= q_idx)
+        return ok
+
+    return mask_mod
+
+
+def local(q: Tensor, k: Tensor, v: Tensor, window: int, *, causal: bool,
+          key_mask: Tensor | None, num_global_tokens: int, dropout_p: float,
+          need_weights: bool, groups: int, modifiers: Modifiers | None,
+          scale: float) -> tuple[Tensor | None, engines.Choice | None]:
+    """LocalAttention's route: varlen ``window_size`` without global tokens, else flex.
+
+    Returns:
+        (output or None, the choice or None when the device was not considered).
+    """
+    if not engines.considered(q.device):
+        return None, None
+    call = facts("window", q, k, v, groups=groups, need_weights=need_weights,
+                 dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers,
+                 global_tokens=num_global_tokens > 0)
+    choice = engines.select(call)
+    batch, _, length, _ = q.shape
+    info = {"q": q, "k": k, "v": v, "mask": key_mask, "is_causal": causal, "scale": scale,
+            "groups": groups, "modifiers": modifiers or None, "window_size": window}
+    if choice.engine == "varlen":
+        from mmattn.kernels.varlen import row_offsets, varlen_attend, window_size
+
+        out = varlen_attend(q, k, v, row_offsets(batch, length, q.device), length,
+                            window=window_size(min(window, length), causal), scale=scale,
+                            groups=groups)
+        report(choice, "local", **info)
+        return out, choice
+    if choice.engine == "flex":
+        from mmattn.kernels.flex import flex_attend
+
+        mask = block_mask(
+            ("band", window, causal, num_global_tokens),
+            lambda: band_mask_mod(window, causal, num_global_tokens, q.device), length,
+            q.device, flex_block(q.device))
+        out = flex_attend(q, k, v, mask, key_mask=key_mask, scale=scale, groups=groups,
+                          modifiers=modifiers)
+        report(choice, "local", **info)
+        return out, choice
+    return None, choice
