@@ -151,3 +151,27 @@ def local(q: Tensor, k: Tensor, v: Tensor, window: int, *, causal: bool,
         report(choice, "local", **info)
         return out, choice
     return None, choice
+
+
+def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q: int,
+           max_k: int, *, is_causal: bool, dropout_p: float,
+           groups: int) -> tuple[Tensor | None, engines.Choice | None]:
+    """Packed Tokens' route: the jagged offsets are varlen's cu_seqlens (no other engine).
+
+    Shape:
+        - q: (t_q, h, e); k, v: (t_k, k, e); offsets (b + 1,); returns (t_q, h, e) or None
+    """
+    if not engines.considered(q.device):
+        return None, None
+    call = facts("segments", q, k, v, groups=groups, need_weights=False, dropout_p=dropout_p,
+                 key_mask=None, modifiers=None)
+    choice = engines.select(call, allowed=tuple(
+        e for e in (engines.forced() or engines.ENGINES) if e != "flex"))
+    if choice.engine != "varlen":
+        return None, choice
+    from mmattn.kernels.varlen import packed_attend
+
+    out = packed_attend(q, k, v, q_off, k_off, max_q, max_k,
+                        window=(-1, 0) if is_causal else (-1, -1), groups=groups)
+    report(choice, "packed", q=q, k=k, v=v, mask=None, is_causal=is_causal, groups=groups)
+    return out, choice
