@@ -175,3 +175,33 @@ def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q:
                         window=(-1, 0) if is_causal else (-1, -1), groups=groups)
     report(choice, "packed", q=q, k=k, v=v, mask=None, is_causal=is_causal, groups=groups)
     return out, choice
+
+
+def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | None,
+           is_causal: bool, dropout_p: float, need_weights: bool, groups: int,
+           modifiers: Modifiers | None, scale: float | None = None,
+           ) -> tuple[Tensor | None, engines.Choice | None]:
+    """A SparseMask's route: flex with ``mask.block_mask()`` (its tiles as a BlockMask).
+
+    Shape:
+        - q: (b, h, l, e); k, v: (b, k, l, e); returns (b, h, l, e) or None
+    """
+    if not engines.considered(q.device):
+        return None, None
+    call = facts("blocks", q, k, v, groups=groups, need_weights=need_weights,
+                 dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers)
+    choice = engines.select(call)
+    if choice.engine != "flex":
+        return None, choice
+    try:
+        blocks = mask.block_mask()
+    except ValueError as error:  # a block size flex does not run exactly
+        return None, engines.Choice("fallback", f"no BlockMask: {error}")
+    from mmattn.kernels.flex import flex_attend
+
+    out = flex_attend(q, k, v, blocks, key_mask=key_mask, scale=scale, groups=groups,
+                      modifiers=modifiers, causal=is_causal)
+    report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal, scale=scale,
+           groups=groups, modifiers=modifiers or None, density=mask.density,
+           block=mask.block_size)
+    return out, choice

@@ -62,6 +62,7 @@ def score_mod(
     cols: Tensor | None = None,
     flat: Tensor | None = None,
     bias: Tensor | None = None,
+    causal: bool = False,
 ) -> Callable | None:
     """The score_mod of a call (None when it adds nothing).
 
@@ -73,8 +74,10 @@ def score_mod(
             Euclidean with them (a grid).
         flat: (l,) bool tokens whose distance to every token is 0 (global tokens).
         bias: (b, l) added per key (:func:`key_bias`).
+        causal: also −inf where the key comes after the query (a causal flag on top of a
+            BlockMask that does not hold it).
     """
-    if softcap is None and slopes is None and bias is None:
+    if softcap is None and slopes is None and bias is None and not causal:
         return None
 
     def mod(score, b, h, q_idx, kv_idx):
@@ -89,6 +92,8 @@ def score_mod(
             score = score - slopes[h] * dist
         if bias is not None:
             score = score + bias[b, kv_idx]
+        if causal:
+            score = torch.where(kv_idx <= q_idx, score, float("-inf"))
         return score
 
     return mod
@@ -107,6 +112,7 @@ def flex_attend(
     rows: Tensor | None = None,
     cols: Tensor | None = None,
     flat: Tensor | None = None,
+    causal: bool = False,
 ) -> Tensor:
     """Attention through the compiled flex_attention (unchecked: the kernels validate).
 
@@ -118,6 +124,7 @@ def flex_attend(
         groups: query heads per key head.
         modifiers: sinks, softcap and ALiBi; ALiBi's distance from ``rows`` / ``cols``
             (default: the token index) with ``flat`` tokens at distance 0.
+        causal: also key j <= query i (when the BlockMask does not hold it).
 
     Shape:
         - q: (b, h, l, e); k: (b, k, l, e); v: (b, k, l, e_v)
@@ -129,7 +136,7 @@ def flex_attend(
     slopes = None if mods is None or mods.slopes is None else mods.slopes.float()
     if slopes is not None and rows is None:
         rows = torch.arange(q.shape[2], device=q.device, dtype=torch.float32)
-    mod = score_mod(softcap, slopes, rows, cols, flat, key_bias(key_mask))
+    mod = score_mod(softcap, slopes, rows, cols, flat, key_bias(key_mask), causal)
     scale = (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0) if scale is None else scale
     sinks = None if mods is None else mods.sinks
     run = compiled()
