@@ -181,16 +181,41 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
            is_causal: bool, dropout_p: float, need_weights: bool, groups: int,
            modifiers: Modifiers | None, scale: float | None = None,
            ) -> tuple[Tensor | None, engines.Choice | None]:
-    """A SparseMask's route: flex with ``mask.block_mask()`` (its tiles as a BlockMask).
+    """A SparseMask's route: varlen over the runs of a segment-wise pattern
+    (patterns/_segments.py), else flex with ``mask.block_mask()`` (its tiles as a BlockMask).
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e); returns (b, h, l, e) or None
     """
     if not engines.considered(q.device):
         return None, None
-    call = facts("blocks", q, k, v, groups=groups, need_weights=need_weights,
-                 dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers)
+    source = getattr(mask, "segment_source", None)
+    if source is not None and key_mask is not None and key_mask.dtype == torch.bool and \
+            torch.equal(key_mask, source.real):  # the tokens' own padding: in the runs
+        segment_mask = None
+    else:
+        segment_mask = key_mask
+    call = facts("segments" if source is not None else "blocks", q, k, v, groups=groups,
+                 need_weights=need_weights, dropout_p=dropout_p, key_mask=segment_mask,
+                 modifiers=modifiers)
     choice = engines.select(call)
+    if choice.engine == "varlen":
+        from mmattn.patterns._segments import segment_runs
+
+        found = segment_runs(mask)
+        if found is not None:
+            from mmattn.kernels.varlen import varlen_attend
+
+            runs, (left, right) = found
+            out = varlen_attend(q, k, v, runs.cu_seqlens, runs.max_len,
+                                window=(left, 0 if is_causal else right), scale=scale,
+                                groups=groups, dead=runs.dead)
+            report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal,
+                   scale=scale, groups=groups, density=mask.density, block=mask.block_size)
+            return out, choice
+        call = facts("blocks", q, k, v, groups=groups, need_weights=need_weights,
+                     dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers)
+        choice = engines.select(call)  # the segments are not contiguous runs
     if choice.engine != "flex":
         return None, choice
     try:

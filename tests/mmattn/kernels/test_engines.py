@@ -119,3 +119,59 @@ def test_runs_rows_split_and_noncontiguous():
     assert back.cu_seqlens.tolist() == [0, 1, 2, 3] and not back.contiguous
     # negative stretches may come back (they attend nothing)
     assert runs(torch.tensor([[-1, 0, -1, 1]])).contiguous
+
+
+def _doc_tokens(device="cpu"):
+    from mmattn import Tokens
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [5, 5, -1, -1, 6, 6, 6, 6]])
+    mask = torch.tensor([[True] * 8, [True] * 6 + [False] * 2])
+    return Tokens(torch.randn(2, 8, 16), mask, {"documents": ids}).to(device)
+
+
+def test_segment_runs_of_a_compiled_pattern():
+    from mmattn import patterns as P
+    from mmattn.patterns._segments import segment_runs
+
+    tokens = _doc_tokens()
+    cu = [0, 3, 7, 8, 10, 12, 14, 16]  # padding (-1) splits row 1's document 6
+    dead = [0] * 10 + [1, 1, 0, 0, 1, 1]
+    for pattern, window in ((P.same("documents"), (-1, -1)),
+                            (P.same("documents") & P.causal(), (-1, 0)),
+                            (P.causal() & P.window(2) & P.same("documents"), (2, 0)),
+                            (P.same("documents") & P.window(3), (3, 3))):
+        found, got = segment_runs(pattern.compile(tokens, block_size=16))
+        assert found.cu_seqlens.tolist() == cu and found.max_len == 4
+        assert found.dead.int().tolist() == dead and got == window
+    for other in (P.same("documents") | P.causal(), P.same("documents") & P.full(),
+                  P.causal()):
+        assert segment_runs(other.compile(tokens, block_size=16)) is None
+    # a document that comes back after padding is not one run: flex instead
+    gap = _doc_tokens()
+    gap.mask[0, 1] = False
+    assert segment_runs(P.same("documents").compile(gap, block_size=16)) is None
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_segment_varlen_cuda(device):
+    """A SparseMask of documents & causal on varlen (bf16) equals the fallback, with the
+    tokens' own padding as key_padding_mask; explain names varlen."""
+    from mmattn import MultiHeadAttention
+    from mmattn import patterns as P
+    from mmattn.debug import explain
+
+    tokens = _doc_tokens(device)
+    mha = MultiHeadAttention(16 * 8, 2).to(device, torch.bfloat16)
+    x = torch.randn(2, 8, 128, device=device, dtype=torch.bfloat16)
+    mask = (P.same("documents") & P.causal()).compile(tokens, block_size=16)
+    res = {}
+    for engine in ("varlen", "fallback"):
+        xi = x.clone().requires_grad_()
+        with engines.use(engine):
+            report = explain(mha, xi, attn_mask=mask, key_padding_mask=~tokens.mask)
+        out = report.output[0]
+        res[engine] = (out, *torch.autograd.grad(out.float().square().sum(), xi))
+        assert report[0].engine == engine
+    for a, b in zip(res["varlen"], res["fallback"]):
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 2e-2
