@@ -230,3 +230,83 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
            groups=groups, modifiers=modifiers or None, density=mask.density,
            block=mask.block_size)
     return out, choice
+
+
+def _axis_tables(n: int, k: int, d: int, device: torch.device) -> tuple[Tensor, ...]:
+    """Along one grid axis of ``n`` positions: each position's subgrid (p mod d), index in
+    it, window start and width (NATTEN's clamped window, as ``masks.neighborhood_mask``)."""
+    p = torch.arange(n, device=device)
+    sub, idx = p % d, p // d
+    size = (n - sub + d - 1) // d
+    width = torch.clamp(size, max=k)
+    start = torch.minimum((idx - width // 2).clamp(min=0), size - width)
+    return sub, idx, start, width
+
+
+def window_mask_mod(grid: tuple[int, int], kernel: tuple[int, int], dilation: tuple[int, int],
+                    first: int, device: torch.device) -> Callable:
+    """NeighborhoodAttention's rule as a mask_mod: the grid's tokens are ``first ..
+    first + rows·cols − 1`` (row-major), every other token is global. Pure indexing into
+    per-axis tables built here."""
+    (rows, cols), (kh, kw), (dh, dw) = grid, kernel, dilation
+    rsub, ridx, rstart, rwidth = _axis_tables(rows, kh, dh, device)
+    csub, cidx, cstart, cwidth = _axis_tables(cols, kw, dw, device)
+    lo = torch.tensor(first, device=device)
+    hi = torch.tensor(first + rows * cols, device=device)
+    width = torch.tensor(cols, device=device)
+    last = torch.tensor(rows * cols - 1, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        tq = torch.minimum((q_idx - lo).clamp(min=0), last)  # (a tensor bound: no .item())
+        tk = torch.minimum((kv_idx - lo).clamp(min=0), last)
+        rq, cq, rk, ck = tq // width, tq % width, tk // width, tk % width
+        row = (rsub[rq] == rsub[rk]) & (ridx[rk] >= rstart[rq]) & \
+            (ridx[rk] < rstart[rq] + rwidth[rq])
+        col = (csub[cq] == csub[ck]) & (cidx[ck] >= cstart[cq]) & \
+            (cidx[ck] < cstart[cq] + cwidth[cq])
+        outside = (q_idx < lo) | (q_idx >= hi) | (kv_idx < lo) | (kv_idx >= hi)
+        return outside | (row & col)
+
+    return mask_mod
+
+
+def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, int],
+                 dilation: tuple[int, int], *, first: Any, key_mask: Tensor | None,
+                 dropout_p: float, need_weights: bool, modifiers: Modifiers | None,
+                 table: Tensor | None,
+                 scale: float | None) -> tuple[Tensor | None, engines.Choice | None]:
+    """NeighborhoodAttention's route: flex with a BlockMask of its window (one grid shared
+    by the batch; per-item grids and a relative-position table run the tiled kernel).
+
+    Shape:
+        - q: (b, h, l, e); k, v: (b, k, l, e); returns (b, h, l, e) or None
+    """
+    if not engines.considered(q.device):
+        return None, None
+    groups = q.shape[1] // k.shape[1]
+    call = facts("blocks", q, k, v, groups=groups, need_weights=need_weights,
+                 dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers)
+    choice = engines.select(call)
+    if choice.engine != "flex":
+        return None, choice
+    shared = isinstance(grid, tuple) and len(grid) == 2 and all(isinstance(n, int) for n in grid)
+    if not shared or not isinstance(first, int):
+        return None, engines.Choice("fallback", "flex route: one grid for the whole batch only")
+    if table is not None:
+        return None, engines.Choice("fallback", "flex route: no relative-position table")
+    from mmattn.kernels.flex import flex_attend
+
+    length = q.shape[2]
+    mask = block_mask(("window", grid, kernel, dilation, first),
+                      lambda: window_mask_mod(grid, kernel, dilation, first, q.device), length,
+                      q.device, flex_block(q.device))
+    rows = cols = flat = None
+    if modifiers is not None and modifiers.slopes is not None:
+        t = torch.arange(length, device=q.device) - first
+        flat = (t < 0) | (t >= grid[0] * grid[1])
+        rows, cols = (t // grid[1]).float(), (t % grid[1]).float()
+    out = flex_attend(q, k, v, mask, key_mask=key_mask, scale=scale, groups=groups,
+                      modifiers=modifiers, rows=rows, cols=cols, flat=flat)
+    report(choice, "neighborhood", q=q, k=k, v=v, mask=key_mask, scale=scale, groups=groups,
+           modifiers=modifiers or None, kernel_size=kernel, dilation=dilation, grid=grid)
+    return out, choice

@@ -142,3 +142,34 @@ def test_local_engines_cuda_grad(device, mods):
         for a, b in zip(res["varlen"], res["fallback"]):
             scale = b.float().abs().max()
             assert ((a.float() - b.float()).abs().max() / scale).item() < 2e-2
+
+
+def test_neighborhood_flex_cpu_forward():
+    """NeighborhoodAttention's window as a flex mask_mod (rectangular kernel, dilation,
+    global tokens, ALiBi on grid distances, softcap, GQA, key padding) == the tiled kernel
+    == the dense reference mask."""
+    from mmattn.kernels.neighborhood import neighborhood_attend
+    from mmattn.masks import neighborhood_mask
+
+    grid, kernel, dilation, glob = (6, 7), (3, 5), (2, 1), 2
+    length = glob + 42
+    q, k, v = torch.randn(2, 4, length, 8), torch.randn(2, 2, length, 8), torch.randn(2, 2,
+                                                                                       length, 8)
+    key_ok = torch.ones(2, length, dtype=torch.bool)
+    key_ok[1, -5:] = False
+    mods = Modifiers(softcap=2.0, slopes=SLOPES)
+    kwargs = dict(dilation=dilation, num_global_tokens=glob, key_mask=key_ok, modifiers=mods)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fallback, _ = neighborhood_attend(q, k, v, grid, kernel, **kwargs)
+        with engines.use("flex"):
+            flex, _ = neighborhood_attend(q, k, v, grid, kernel, **kwargs)
+    close(flex, fallback)
+    # the window itself against the dense reference (no modifiers: ALiBi here is Euclidean)
+    allowed = neighborhood_mask(grid, kernel, dilation=dilation, num_global_tokens=glob)
+    from mmattn.kernels._routes import window_mask_mod
+
+    rule = window_mask_mod(grid, kernel, dilation, glob, torch.device("cpu"))
+    i = torch.arange(length)
+    zero = torch.zeros((), dtype=torch.long)
+    assert torch.equal(rule(zero, zero, i[:, None], i[None, :]), allowed)
