@@ -173,3 +173,24 @@ def test_neighborhood_flex_cpu_forward():
     i = torch.arange(length)
     zero = torch.zeros((), dtype=torch.long)
     assert torch.equal(rule(zero, zero, i[:, None], i[None, :]), allowed)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)])
+def test_neighborhood_flex_cuda_grad(device):
+    from mmattn.kernels.neighborhood import neighborhood_attend
+
+    length = 2 + 42
+    q, k, v = (torch.randn(2, h, length, 8, device=device, requires_grad=True)
+               for h in (4, 2, 2))
+    key_ok = torch.ones(2, length, dtype=torch.bool, device=device)
+    key_ok[1, -5:] = False
+    mods = Modifiers(sinks=torch.zeros(4, device=device), slopes=SLOPES.to(device))
+    res = {}
+    for engine in ("flex", "fallback"):
+        with engines.use(engine):
+            out, _ = neighborhood_attend(q, k, v, (6, 7), (3, 5), dilation=(2, 1),
+                                         num_global_tokens=2, key_mask=key_ok, modifiers=mods)
+        res[engine] = (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for a, b in zip(res["flex"], res["fallback"]):
+        assert torch.isfinite(a).all()
+        close(a, b)
