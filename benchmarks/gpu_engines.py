@@ -56,7 +56,8 @@ def flex_kernel(mask_mod, batch, length, device, score_mod=None):
     mask = create_block_mask(mask_mod, batch, None, length, length, device=device,
                              BLOCK_SIZE=128 if device.type == "cuda" else 16,
                              _compile=device.type == "cuda")
-    return lambda q, k, v: compiled()(q, k, v, block_mask=mask, score_mod=score_mod)
+    return lambda q, k, v: compiled(device.type)(q, k, v, block_mask=mask,
+                                                   score_mod=score_mod)
 
 
 def once(build):

@@ -36,11 +36,15 @@ __all__ = ["compiled", "flex_attend", "key_bias", "score_mod"]
 
 
 @functools.cache
-def compiled() -> Callable:
-    """``torch.compile(flex_attention)``, made once per process (eager flex is a slow
-    reference implementation; compiled, it is the fused kernel)."""
+def compiled(device_type: str = "cuda") -> Callable:
+    """``torch.compile(flex_attention)``, made once per process and device type (eager flex
+    is a slow reference implementation; compiled, it is the fused kernel). On the CPU with
+    static shapes: torch 2.14's CPU flex kernel does not compile with dynamic sizes (its C++
+    names an undeclared ``cur_qSplitSize8``), so each new size is one more graph there."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    if device_type == "cpu":
+        return torch.compile(flex_attention, fullgraph=True, dynamic=False)
     return torch.compile(flex_attention, fullgraph=True)
 
 
@@ -139,7 +143,7 @@ def flex_attend(
     mod = score_mod(softcap, slopes, rows, cols, flat, key_bias(key_mask), causal)
     scale = (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0) if scale is None else scale
     sinks = None if mods is None else mods.sinks
-    run = compiled()
+    run = compiled(q.device.type)
     if sinks is not None and q.device.type == "cpu":  # no compiled CPU logsumexp: eager flex
         from torch.nn.attention.flex_attention import flex_attention as run
     out = run(q, k, v, score_mod=mod, block_mask=block_mask, scale=scale,

@@ -13,10 +13,22 @@ from mmattn import MultiHeadAttention
 from mmattn import patterns as P
 from mmattn.debug import explain
 from mmattn.kernels import engines
+from mmattn.kernels.dense import fused_attn
 from tests.conftest import DEVICES
 from tests.mmattn._pattern_cases import fused_tokens
 
 pytest.importorskip("torch.nn.attention.flex_attention")
+
+pytestmark = pytest.mark.pins_path
+
+
+@pytest.fixture(autouse=True)
+def _fused():
+    """The engines run on the fused path only: pinned on (the MMATTN_FUSED_ATTN=0 pass of
+    ``make test`` would repeat these runs unchanged, hence ``pins_path``)."""
+    with fused_attn(True):
+        yield
+
 
 PATTERN = P.same("documents") & P.causal() | P.modality(query="text")
 MODS = {"none": {}, "softcap+alibi": {"softcap": 3.0, "alibi": True}, "sinks": {"sinks": True}}
@@ -61,6 +73,39 @@ def test_sparse_flex_cpu_forward(mods):
     assert dead.any()
     bias = mha.out_proj.bias
     assert torch.equal(flex.output[0][dead], bias.expand(int(dead.sum()), -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flex_compiled_once_for_new_masks(device):
+    """New masks are new data for the one compiled flex_attention, not new graphs. On CUDA
+    any pattern (another count of partial tiles makes torch.compile mark that size dynamic
+    once, on the second mask); on the CPU, whose flex compiles static sizes only, a new
+    batch of the same layout (new tokens, ids and values: a new SparseMask and BlockMask)."""
+    from torch._dynamo.utils import counters
+
+    mha = layer("none", device)
+    if device == "cpu":
+        batches = [fused_tokens(16) for _ in range(3)]
+        for number, tokens in enumerate(batches):
+            tokens.x.mul_(number + 1)
+            tokens.meta["documents"] = tokens.meta["documents"] + 7 * number
+        cases = [(t.to(device), PATTERN) for t in batches]
+    else:
+        tokens = fused_tokens(16).to(device)
+        cases = [(tokens, p) for p in (PATTERN, P.same("documents"), P.causal() & P.window(5),
+                                       P.window(2) | P.modality(key="text"))]
+    masks = [p.compile(t, block_size=16) for t, p in cases]
+    with torch.no_grad(), engines.use("flex"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = [mha(t.x, attn_mask=m, key_padding_mask=~t.mask)[0]
+                for (t, _), m in zip(cases[:2], masks[:2])]
+        graphs = counters["stats"]["unique_graphs"]
+        for (t, _), mask in zip(cases[2:], masks[2:]):
+            outs.append(mha(t.x, attn_mask=mask, key_padding_mask=~t.mask)[0])
+        assert counters["stats"]["unique_graphs"] == graphs
+        for (t, _), mask, out in zip(cases, masks, outs):
+            dense = (~mask.dense()).repeat_interleave(4, 0)
+            close(out, mha(t.x, attn_mask=dense, key_padding_mask=~t.mask)[0])
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)])
