@@ -200,7 +200,7 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
                  modifiers=modifiers)
     choice = engines.select(call)
     if choice.engine == "varlen":
-        from mmattn.patterns._segments import segment_runs
+        from mmattn.kernels.varlen import segment_runs
 
         found = segment_runs(mask)
         if found is not None:

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Runs", "offsets", "row_offsets", "runs", "varlen_attend", "window_size"]
+__all__ = [
+    "Runs", "offsets", "row_offsets", "runs", "segment_runs", "varlen_attend", "window_size",
+]
 
 
 def offsets(lengths: Tensor) -> Tensor:
@@ -138,3 +141,18 @@ def packed_attend(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, m
         extra["window_size"] = window
     return attend(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                   scale=scale, **extra)
+
+
+def segment_runs(mask: Any):
+    """``(Runs, window)`` of a SparseMask compiled from a segment-wise pattern with
+    contiguous runs (cached on the mask), else None. The compile leaves the pattern's facts
+    in ``mask.segment_source`` (``patterns/_segments.py``: ids, real tokens, window)."""
+    source = getattr(mask, "segment_source", None)
+    if source is None:
+        return None
+    cached = mask.__dict__.get("_segment_runs")
+    if cached is None:
+        found = runs(source.ids)
+        cached = (found, source.window) if found.contiguous else False
+        mask.__dict__["_segment_runs"] = cached
+    return cached or None

@@ -6,7 +6,8 @@ Axis key: ``b`` batch, ``l`` length.
 attention inside each segment: when every segment of a row is one contiguous run, the
 compiled mask is exactly varlen_attn over those runs with ``window_size``. The compile keeps
 the source (ids with padded tokens as −1, the window); the runs themselves (one host sync)
-are built on the first CUDA call that wants them (:func:`segment_runs`), never on the CPU.
+are built on the first CUDA call that wants them (``kernels.varlen.segment_runs``), never
+on the CPU.
 """
 
 from __future__ import annotations
@@ -28,42 +29,28 @@ class SegmentSource:
     window: tuple[int, int]
 
 
-def _parts(pattern: Any) -> list:
-    from mmattn.patterns._base import And  # (imported by the module that imports this one)
+def _is(pattern: Any, name: str) -> bool:
+    """``isinstance`` by class name: the primitives' modules import the compile, which
+    imports this one (an import would close the cycle)."""
+    return any(cls.__name__ == name and cls.__module__.startswith("mmattn.patterns")
+               for cls in type(pattern).__mro__)
 
-    if isinstance(pattern, And):
+
+def _parts(pattern: Any) -> list:
+    if _is(pattern, "And"):
         return [p for part in pattern.parts for p in _parts(part)]
     return [pattern]
 
 
 def segment_source(pattern: Any, ctx: Any) -> SegmentSource | None:
     """The :class:`SegmentSource` of ``pattern`` on these tokens, or None (not segment-wise)."""
-    from mmattn.patterns._attributes import Same
-    from mmattn.patterns._positions import Causal, Window
-
     parts = _parts(pattern)
-    same = [p for p in parts if isinstance(p, Same)]
-    causal = [p for p in parts if isinstance(p, Causal)]
-    window = [p for p in parts if isinstance(p, Window)]
+    same = [p for p in parts if _is(p, "Same")]
+    causal = [p for p in parts if _is(p, "Causal")]
+    window = [p for p in parts if _is(p, "Window")]
     if len(same) != 1 or len(causal) > 1 or len(window) > 1 or \
             len(same) + len(causal) + len(window) != len(parts):
         return None
     ids = torch.where(ctx.real, same[0].ids(ctx), -1)
     w = window[0].w if window else -1
     return SegmentSource(ids, ctx.real, (w, 0 if causal else w))
-
-
-def segment_runs(mask: Any):
-    """``(Runs, window)`` of a SparseMask compiled from a segment-wise pattern with
-    contiguous runs (cached on the mask), else None."""
-    source = getattr(mask, "segment_source", None)
-    if source is None:
-        return None
-    cached = mask.__dict__.get("_segment_runs")
-    if cached is None:
-        from mmattn.kernels.varlen import runs
-
-        found = runs(source.ids)
-        cached = (found, source.window) if found.contiguous else False
-        mask.__dict__["_segment_runs"] = cached
-    return cached or None

@@ -143,7 +143,7 @@ def _doc_tokens(device="cpu"):
 
 def test_segment_runs_of_a_compiled_pattern():
     from mmattn import patterns as P
-    from mmattn.patterns._segments import segment_runs
+    from mmattn.kernels.varlen import segment_runs
 
     tokens = _doc_tokens()
     cu = [0, 3, 7, 8, 10, 12, 14, 16]  # padding (-1) splits row 1's document 6
