@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmattn._helpers import exporting
+from mmattn._helpers import ceil_div, exporting
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels import engines
 from mmattn.kernels.modifiers import Modifiers
@@ -177,6 +177,23 @@ def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q:
     return out, choice
 
 
+def seen_keys(mask: Any) -> Tensor:
+    """(b, l) bool: the keys some query of the SparseMask may attend (cached on the mask):
+    those of its full tiles and the attended columns of its mixed tiles."""
+    seen = mask.__dict__.get("_seen_keys")
+    if seen is None:
+        batch, length, s = mask.batch, mask.length, mask.block_size
+        padded = ceil_div(length, s) * s
+        flat = torch.zeros(batch * padded, dtype=torch.bool, device=mask.device)
+        offsets = torch.arange(s, device=mask.device)
+        full, mixed = mask.full_tiles, mask.mixed_tiles
+        flat[((full[:, 0] * padded + full[:, 2] * s)[:, None] + offsets).reshape(-1)] = True
+        rows = (mixed[:, 0] * padded + mixed[:, 2] * s)[:, None] + offsets
+        flat[rows[mask.mixed_masks.any(dim=1)]] = True
+        seen = mask.__dict__["_seen_keys"] = flat.view(batch, padded)[:, :length]
+    return seen
+
+
 def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | None,
            is_causal: bool, dropout_p: float, need_weights: bool, groups: int,
            modifiers: Modifiers | None, scale: float | None = None,
@@ -225,7 +242,7 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
     from mmattn.kernels.flex import flex_attend
 
     out = flex_attend(q, k, v, blocks, key_mask=key_mask, scale=scale, groups=groups,
-                      modifiers=modifiers, causal=is_causal)
+                      modifiers=modifiers, causal=is_causal, seen=seen_keys(mask))
     report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal, scale=scale,
            groups=groups, modifiers=modifiers or None, density=mask.density,
            block=mask.block_size)

@@ -117,6 +117,7 @@ def flex_attend(
     cols: Tensor | None = None,
     flat: Tensor | None = None,
     causal: bool = False,
+    seen: Tensor | None = None,
 ) -> Tensor:
     """Attention through the compiled flex_attention (unchecked: the kernels validate).
 
@@ -129,6 +130,9 @@ def flex_attend(
         modifiers: sinks, softcap and ALiBi; ALiBi's distance from ``rows`` / ``cols``
             (default: the token index) with ``flat`` tokens at distance 0.
         causal: also key j <= query i (when the BlockMask does not hold it).
+        seen: (b, l) bool, the keys some query may attend; the others (and the keys the key
+            mask excludes) are replaced by zeros first, so a NaN stored there cannot reach a
+            real output (flex's zero weight times NaN would be NaN).
 
     Shape:
         - q: (b, h, l, e); k: (b, k, l, e); v: (b, k, l, e_v)
@@ -140,6 +144,12 @@ def flex_attend(
     slopes = None if mods is None or mods.slopes is None else mods.slopes.float()
     if slopes is not None and rows is None:
         rows = torch.arange(q.shape[2], device=q.device, dtype=torch.float32)
+    if key_mask is not None:  # padding never leaks: 0 · NaN is NaN inside flex too
+        ok = key_mask if key_mask.dtype == torch.bool else ~torch.isneginf(key_mask)
+        seen = ok if seen is None else seen & ok
+    if seen is not None:
+        k = torch.where(seen[:, None, :, None], k, 0.0)
+        v = torch.where(seen[:, None, :, None], v, 0.0)
     mod = score_mod(softcap, slopes, rows, cols, flat, key_bias(key_mask), causal)
     scale = (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0) if scale is None else scale
     sinks = None if mods is None else mods.sinks

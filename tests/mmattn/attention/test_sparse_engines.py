@@ -73,6 +73,14 @@ def test_sparse_flex_cpu_forward(mods):
     assert dead.any()
     bias = mha.out_proj.bias
     assert torch.equal(flex.output[0][dead], bias.expand(int(dead.sum()), -1))
+    # padding never leaks: NaN in the padded tokens moves no real output
+    dirty = tokens.x.masked_fill(~tokens.mask[..., None], float("nan"))
+    with torch.no_grad():
+        with engines.use("flex"):
+            again, _ = mha(dirty, attn_mask=mask, key_padding_mask=~tokens.mask)
+    real = tokens.mask
+    assert torch.isfinite(again[real]).all()
+    close(again[real], want[real])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -99,6 +99,12 @@ def test_local_flex_cpu_forward(mods):
     close(fallback, want)
     close(flex, want)
     assert (flex[1, :, 12:18] == 0).all()  # dead rows: exactly zero
+    # padding never leaks: NaN in the padded keys and values moves no output
+    k2, v2 = (t.masked_fill(~key_ok[:, None, :, None], float("nan")) for t in (k, v))
+    with torch.no_grad(), warnings.catch_warnings(), engines.use("flex"):
+        warnings.simplefilter("ignore")
+        dirty, _ = local_attend(q, k2, v2, 2, **kwargs)
+    assert torch.equal(dirty, flex)
 
 
 def test_local_flex_cpu_causal_explain():
