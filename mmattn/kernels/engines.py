@@ -223,6 +223,8 @@ def _flex_refusal(call: Call, have: Available, forced_here: bool) -> str | None:
     """Why flex_attention cannot run the call (None: it can)."""
     if not have.flex:
         return "torch has no flex_attention with BlockMask.from_kv_blocks"
+    if call.device == "cuda" and call.head_dim < 16:
+        return f"flex_attention's CUDA kernel takes head widths >= 16, not {call.head_dim}"
     if call.device != "cuda":
         if not forced_here:
             return f"on {call.device} mmattn's own kernels run (flex only when forced)"

@@ -36,7 +36,7 @@ MODS = {"none": {}, "softcap+alibi": {"softcap": 3.0, "alibi": True}, "sinks": {
 
 def layer(mods: str, device="cpu") -> MultiHeadAttention:
     torch.manual_seed(0)
-    mha = MultiHeadAttention(16, 4, num_kv_heads=2, **MODS[mods]).to(device).eval()
+    mha = MultiHeadAttention(64, 4, num_kv_heads=2, **MODS[mods]).to(device).eval()
     if mha.sinks is not None:
         with torch.no_grad():
             mha.sinks.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
@@ -56,7 +56,7 @@ def run(mha, tokens, mask, engine):
 
 @pytest.mark.parametrize("mods", list(MODS))
 def test_sparse_flex_cpu_forward(mods):
-    tokens = fused_tokens(16)
+    tokens = fused_tokens(64)
     mask = PATTERN.compile(tokens, block_size=16)
     mha = layer(mods)
     dense = (~mask.dense()).repeat_interleave(4, 0)
@@ -93,13 +93,13 @@ def test_flex_compiled_once_for_new_masks(device):
 
     mha = layer("none", device)
     if device == "cpu":
-        batches = [fused_tokens(16) for _ in range(3)]
+        batches = [fused_tokens(64) for _ in range(3)]
         for number, tokens in enumerate(batches):
             tokens.x.mul_(number + 1)
             tokens.meta["documents"] = tokens.meta["documents"] + 7 * number
         cases = [(t.to(device), PATTERN) for t in batches]
     else:
-        tokens = fused_tokens(16).to(device)
+        tokens = fused_tokens(64).to(device)
         cases = [(tokens, p) for p in (PATTERN, P.same("documents"), P.causal() & P.window(5),
                                        P.window(2) | P.modality(key="text"))]
     masks = [p.compile(t, block_size=16) for t, p in cases]
@@ -119,7 +119,7 @@ def test_flex_compiled_once_for_new_masks(device):
 @pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)])
 @pytest.mark.parametrize("mods", list(MODS))
 def test_sparse_flex_cuda_grad(device, mods):
-    tokens = fused_tokens(16).to(device)
+    tokens = fused_tokens(64).to(device)
     mask = PATTERN.compile(tokens, block_size=16)
     mha = layer(mods, device)
     results = {}

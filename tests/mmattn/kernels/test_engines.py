@@ -58,9 +58,11 @@ def test_select_automatic(case, have, engine, words):
 
 
 def test_select_head_width_and_kinds():
-    odd = Call(kind="segments", device="cuda", dtype=BF16, head_dim=12)
+    odd = Call(kind="segments", device="cuda", dtype=BF16, head_dim=20)
     assert select(odd, ALL, None).engine == "flex"
     assert "head widths" in select(odd, ALL, None).reason
+    narrow = Call(kind="blocks", device="cuda", dtype=BF16, head_dim=8)
+    assert "head widths >= 16" in select(narrow, ALL, None).reason
     with pytest.raises(ValueError, match="kind"):
         select(Call(kind="dense", device="cuda", dtype=BF16, head_dim=8), ALL, None)
 

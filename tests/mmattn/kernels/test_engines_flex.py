@@ -20,7 +20,7 @@ from mmattn.kernels.dense import fused_attn
 from mmattn.kernels.modifiers import Modifiers
 from tests.conftest import DEVICES
 
-B, H, KV, L, E = 2, 4, 2, 40, 8
+B, H, KV, L, E = 2, 4, 2, 40, 16
 pytestmark = pytest.mark.pins_path
 
 
@@ -198,7 +198,7 @@ def test_neighborhood_flex_cuda_grad(device):
     from mmattn.kernels.neighborhood import neighborhood_attend
 
     length = 2 + 42
-    q, k, v = (torch.randn(2, h, length, 8, device=device, requires_grad=True)
+    q, k, v = (torch.randn(2, h, length, 16, device=device, requires_grad=True)
                for h in (4, 2, 2))
     key_ok = torch.ones(2, length, dtype=torch.bool, device=device)
     key_ok[1, -5:] = False
