@@ -12,7 +12,8 @@ causal, image 64² neighbourhood 7, audio 4096 window 128); LocalAttention (wind
 L=16384, fwd and fwd+bwd); NeighborhoodAttention (k=7, 64² and 128²); MultiHeadAttention
 forward (L=1024, B=16); EdgeAttention vs PyG's TransformerConv (N=100k, 16 edges a node,
 fp32; as benchmarks/edge.py). Time: medians of interleaved, synchronised repeats; peak memory:
-one more run after resetting the peak counter. A contender that fails prints its error in
+one more run after resetting the peak counter. The mmattn row names the engines its
+attention calls ran (``explain``'s listener). A contender that fails prints its error in
 the table instead of a time.
 """
 
@@ -32,6 +33,7 @@ from _harness import add_docs_argument, interleaved_medians, markdown_table, wri
 
 from mmattn import LocalAttention, MultiHeadAttention, NeighborhoodAttention, Tokens  # noqa
 from mmattn import patterns as P  # noqa: E402
+from mmattn.kernels import dense as _kernel  # noqa: E402
 
 
 class Projected(nn.Module):
@@ -255,7 +257,7 @@ def measure(label, shape, runs, anchor, cfg, dev, train):
     else:
         x = torch.randn(*shape, cfg["dim"], device=dev, dtype=cfg["dtype"], requires_grad=train)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
-    steps, errors = {}, {}
+    steps, errors, engines = {}, {}, set()
     for name, fn in runs.items():
         def step(fn=fn):
             with torch.set_grad_enabled(train):
@@ -263,7 +265,14 @@ def measure(label, shape, runs, anchor, cfg, dev, train):
                 if train:
                     out.float().sum().backward()
         try:
-            step()  # compile, build masks: outside the timing
+            # compile, build masks: outside the timing; mmattn's calls say which engine ran
+            ours = engines if name == "mmattn" else set()
+            remove = _kernel.add_listener(
+                lambda r, ours=ours: ours.add(r.get("engine") or r.get("path")))
+            try:
+                step()
+            finally:
+                remove()
             steps[name] = step
         except Exception as error:  # noqa: BLE001 - reported in the table
             text = " ".join(str(error).split())[:80].replace("|", "/")
@@ -284,7 +293,8 @@ def measure(label, shape, runs, anchor, cfg, dev, train):
             continue
         ratio = f"{times[name] / times[anchor]:.2f}x" if anchor in times else ""
         peak = f"{peaks[name]:.2f}" if name in peaks else "-"
-        rows.append([label, "fwd+bwd" if train else "fwd", name,
+        shown = f"mmattn ({', '.join(sorted(engines))})" if name == "mmattn" else name
+        rows.append([label, "fwd+bwd" if train else "fwd", shown,
                      f"{1e3 * times[name]:.2f}", peak, ratio])
     return rows
 
