@@ -23,7 +23,9 @@ from torch import Tensor
 from mmattn import _checks as checks
 from mmattn._helpers import ceil_div
 from mmattn.kernels import block_sparse as _kernel
+from mmattn.patterns import _flex
 from mmattn.patterns._context import Tiles, TokenContext, padding_bound, with_padding
+from mmattn.patterns._segments import segment_source
 from mmattn.tokens import Tokens
 
 __all__ = ["SparseMask"]
@@ -66,6 +68,9 @@ class SparseMask:
         self.batch, self.length, self.block_size = batch, length, block_size
         self.full_tiles, self.mixed_tiles, self.mixed_masks = full_tiles, mixed_tiles, mixed_masks
         self._plans: dict[Any, _kernel.TilePlan] = {}
+        self._block_mask: Any = None
+        #: a segment-wise pattern's facts for the varlen engine (patterns/_segments.py)
+        self.segment_source: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -114,6 +119,32 @@ class SparseMask:
             self.mixed_tiles.to(device), self.mixed_masks.to(device),
         )
 
+    def block_mask(self) -> Any:
+        """This mask as a FlexAttention ``BlockMask`` (built once, then cached).
+
+        Its ``BLOCK_SIZE`` is :attr:`block_size`; the full tiles are its full blocks and the
+        mixed tiles its partial blocks (``BlockMask.from_kv_blocks``), and its ``mask_mod``
+        looks the partial tiles' exact masks up (True inside full tiles). Nothing of L·L
+        elements is built: its tables hold one entry per tile.
+
+        Returns:
+            ``torch.nn.attention.flex_attention.BlockMask`` for ``flex_attention(q, k, v,
+            block_mask=...)`` with q, k, v of shape (B, H, L, E).
+
+        Raises:
+            ValueError: :attr:`block_size` is not a multiple of 16 (FlexAttention's compiled
+                CPU kernel is not exact below 16).
+
+        Examples:
+            >>> from mmattn import Tokens, patterns as P
+            >>> bm = P.causal().compile(Tokens(torch.zeros(1, 40, 8)), block_size=16).block_mask()
+            >>> bm.BLOCK_SIZE, bm.kv_num_blocks.flatten().tolist()
+            ((16, 16), [1, 1, 1])
+        """
+        if self._block_mask is None:
+            self._block_mask = _flex.build_block_mask(self)
+        return self._block_mask
+
     def plan(self, width: int) -> _kernel.TilePlan:
         """The kernel's bucket plan for a model of this width (built once, then cached)."""
         key = int(width)
@@ -161,4 +192,6 @@ def compile_pattern(pattern: Any, tokens: Tokens, block_size: int = 64) -> Spars
         torch.cat(masks) if masks
         else torch.zeros(0, block, block, dtype=torch.bool, device=ctx.device)
     )
-    return SparseMask(ctx.batch, ctx.length, block, full_tiles, mixed_tiles, mixed_masks)
+    mask = SparseMask(ctx.batch, ctx.length, block, full_tiles, mixed_tiles, mixed_masks)
+    mask.segment_source = segment_source(pattern, ctx)
+    return mask
