@@ -5,8 +5,16 @@
 # hypothesis, torchvision, torchaudio and torch_geometric:
 #
 #   bash benchmarks/gpu_check.sh            # logs and tables land in $OUT (or out/gpu)
+#   DRY_RUN=1 bash benchmarks/gpu_check.sh  # print the steps only (checked on the CPU)
 #
-# 1. the CUDA half of the test suite (compile on CUDA included);
+# 1. the CUDA half of the test suite (compile on CUDA included; xdist -n 8 and a per-test
+#    timeout where those plugins are installed);
+# 1b. (issue 34) benchmarks/gpu_engines.py: every row of issue 34's table side by side
+#    (mmattn, varlen_attn, flex with a hand-written mask_mod, flex with Pattern.mask_mod,
+#    dense SDPA; EdgeAttention vs TransformerConv), written into docs/performance.md ("GPU
+#    engines") with the GPU's name and torch's version; benchmarks/gpu_patterns.py (issue
+#    33) when present; the examples interleaved_digits, multimodal_match and audio_stream
+#    with --device cuda --quick;
 # 2. bf16 TFLOP/s of MultiHeadAttention vs raw SDPA (+ the projections' fair share) at
 #    L in {1024, 4096, 16384}, D=1024, H=16 (target >= 90 %), and LocalAttention vs
 #    FlexAttention with a sliding-window block mask (target: no slower);
@@ -23,7 +31,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DEST=${OUT:-out/gpu}
-BUDGET=${BUDGET:-450}  # seconds for all steps together
+BUDGET=${BUDGET:-460}  # seconds for all steps together (the call: at most 8 minutes)
 mkdir -p "$DEST"
 status=0
 start=$SECONDS
@@ -33,6 +41,10 @@ start=$SECONDS
 step() {
   local name=$1 limit=$2 log=$3
   shift 3
+  if [[ -n ${DRY_RUN:-} ]]; then
+    echo "== $name (limit ${limit}s, log $log): $*" | tee -a "$DEST/summary.txt"
+    return
+  fi
   local left=$((BUDGET - (SECONDS - start)))
   if ((left < 20)); then
     echo "== $name: skipped, time budget spent" | tee -a "$DEST/summary.txt"
@@ -51,8 +63,23 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$DES
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
   | tee -a "$DEST/gpu.txt"
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+# pytest: 8 xdist workers and a per-test timeout where the plugins are installed
+PYTEST=($PY -m pytest -q -p no:cacheprovider)
+$PY -c "import xdist" 2>/dev/null && PYTEST+=(-n 8)
+$PY -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 120)
 
-step "CUDA tests" 170 cuda_tests.log $PY -m pytest -q -p no:cacheprovider -k cuda tests
+# The CUDA tests, then issue 34 (the engines): the side-by-side table, issue 33's patterns,
+# the examples. The older steps below run in whatever budget is left.
+step "CUDA tests" 140 cuda_tests.log "${PYTEST[@]}" -k cuda tests
+step "engines side by side (issue 34's table)" 170 gpu_engines.md \
+  $PY benchmarks/gpu_engines.py --write-docs
+if [ -f benchmarks/gpu_patterns.py ]; then
+  step "patterns on the GPU (issue 33)" 45 gpu_patterns.md $PY benchmarks/gpu_patterns.py
+fi
+for example in interleaved_digits multimodal_match audio_stream; do
+  step "example $example (cuda, quick)" 35 "example_$example.log" \
+    $PY -m examples.$example --device cuda --quick --no-progress
+done
 step "MHA vs SDPA, LocalAttention vs Flex (bf16)" 120 gpu_attention.md \
   $PY benchmarks/gpu_attention.py
 step "NeighborhoodAttention vs Flex (same block mask)" 60 gpu_neighborhood.md \
@@ -78,5 +105,7 @@ for dtype in bfloat16 float32; do
 done
 step "adapters" 45 adapters_cuda.md $PY benchmarks/adapters.py --device cuda --rounds 20
 
+# the machine's docs/performance.md (its "GPU engines" block) comes back with $DEST
+[ -z "${DRY_RUN:-}" ] && cp docs/performance.md "$DEST/performance.md"
 echo "total $((SECONDS - start)) s, status $status" | tee -a "$DEST/summary.txt"
 exit $status

@@ -167,12 +167,13 @@ def run(
 ) -> list[Result]:
     timer = Timer()
     seed_everything(seed)
-    device = torch.device("cpu")  # live audio runs on the CPU, one chunk at a time
+    device = torch.device(device)  # the data is made on the CPU (same draws), then moved
     generator = torch.Generator().manual_seed(seed)
     n_train, n_test, epochs = (48, 8, 2) if quick else (600, 100, 8)
     waves, lengths, numbers, parts = dialled_numbers(n_train + n_test, generator)
     labels = frame_labels(parts, numbers, 1 + waves.shape[1] // HOP)
     real = torch.arange(labels.shape[1]) < (1 + lengths // HOP)[:, None]
+    waves, lengths, labels, real = (t.to(device) for t in (waves, lengths, labels, real))
     print(f"{n_train + n_test} dialled numbers of {lengths.min() / SAMPLE_RATE:.2f}–"
           f"{lengths.max() / SAMPLE_RATE:.2f} s")
     model = LiveKeys().to(device)

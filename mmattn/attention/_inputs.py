@@ -26,13 +26,15 @@ def check_inputs(
     Raises:
         TypeError / ValueError: naming the argument, with the expected and actual values.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    # self-attention (key and value are the query): their own checks would repeat query's
+    others = () if key is query and value is query else (("key", key), ("value", value))
+    for name, t in (("query", query), *others):
         checks.check_tensor(name, t)
         checks.check_floating(name, t)
     layout = "(batch, length, embed_dim)" if module.batch_first else "(length, batch, embed_dim)"
     checks.check_rank("query", query, (2, 3), f"{layout} or unbatched (length, embed_dim)")
     batched = query.dim() == 3
-    for name, t in (("key", key), ("value", value)):
+    for name, t in others:
         if t.dim() != query.dim():
             raise ValueError(
                 f"{name} must have the same rank as query ({query.dim()}-D), got "
@@ -45,7 +47,7 @@ def check_inputs(
     autocast = query.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(
         query.device.type
     )
-    for name, t in (("key", key), ("value", value)):
+    for name, t in others:
         if not autocast:
             checks.check_same_dtype(name, t, "query", query)
         checks.check_same_device(name, t, "query", query)
@@ -93,6 +95,17 @@ def check_inputs(
             )
     module._check_lengths([q_len], [k_len], is_causal=is_causal, attn_mask=attn_mask)
     return batched
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """``rearrange(x, "b l (h e) -> b h l e", h=heads)`` without einops' per-call parsing
+    (the same view: a reshape and a transpose; the hot path of every forward)."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """``rearrange(x, "b h l e -> b l (h e)")`` (the same reshape, see :func:`split_heads`)."""
+    return x.transpose(1, 2).flatten(2)
 
 
 def to_batch_first(

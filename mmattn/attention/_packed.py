@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from mmattn.attention._appended import extra_keys, num_extra_keys
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._packed_checks import check_attn_mask, check_packed, check_values
+from mmattn.kernels import _routes
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.packed import (
     Bucket,
@@ -118,6 +119,10 @@ def attend_values(
             rearrange(proj(t), "t (h e) -> t h e", e=e)
             for proj, t in ((module.q_proj, qv), (module.k_proj, kv), (module.v_proj, vv))
         )
+        out, _ = _routes.packed(q, k, v, q_off, k_off, max(q_lens), max(k_lens),
+                                is_causal=is_causal, dropout_p=dropout_p, groups=groups)
+        if out is not None:  # varlen_attn (mmattn.kernels.engines), reported there
+            return module.out_proj(rearrange(out, "t h e -> t (h e)")), None
         try:
             out = jagged_sdpa(
                 q, k, v, q_off, k_off, dropout_p=dropout_p, is_causal=is_causal, groups=groups

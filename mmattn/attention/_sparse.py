@@ -27,7 +27,7 @@ from mmattn._helpers import exporting
 from mmattn.attention._appended import num_extra_keys
 from mmattn.attention._inputs import from_batch_first, to_batch_first
 from mmattn.attention._modifiers import score_modifiers
-from mmattn.kernels import block_sparse, dense
+from mmattn.kernels import _routes, block_sparse, dense
 from mmattn.kernels.packed import is_jagged
 from mmattn.patterns import SparseMask
 
@@ -134,9 +134,15 @@ def sparse_forward(
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: SparseMask, width: int,
             **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """The kernel on the mask's cached plan, run eagerly: under torch.compile a graph break
-    (the plan is data: Python lists of buckets), so the projections around it compile.
-    B = 0 or L = 0 gives the empty result (docs/edge_cases.md), without a plan."""
+    (the plan is data: Python lists of buckets), so the projections around it compile. On
+    CUDA an engine takes the call first (:mod:`mmattn.kernels.engines`: flex with the mask's
+    BlockMask, varlen for segment-wise patterns). B = 0 or L = 0 gives the empty result
+    (docs/edge_cases.md), without a plan or an engine."""
     if not q.shape[0] or not q.shape[2]:  # the dense kernel's zeros, attached to autograd
         return dense.attend(q, k, v, None, need_weights=kwargs["need_weights"],
                             groups=kwargs["groups"])
-    return block_sparse.attend(q, k, v, mask.plan(width), **kwargs)
+    out, choice = _routes.sparse(q, k, v, mask, **kwargs)
+    if out is not None:
+        return out, None
+    with _routes.fallback_facts(choice):
+        return block_sparse.attend(q, k, v, mask.plan(width), **kwargs)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
@@ -25,7 +24,13 @@ from mmattn.attention._appended import append_keys
 from mmattn.attention._decoding import Decoding, cached_step, check_cache_step
 from mmattn.attention._fx import FX_ROOT, fx_leaf
 from mmattn.attention._init import draw_like_torch, undrawn_linear
-from mmattn.attention._inputs import check_inputs, from_batch_first, to_batch_first
+from mmattn.attention._inputs import (
+    check_inputs,
+    from_batch_first,
+    merge_heads,
+    split_heads,
+    to_batch_first,
+)
 from mmattn.attention._interop import TorchInterop
 from mmattn.attention._modifiers import init_modifiers, modifier_repr, score_modifiers
 from mmattn.attention._nested import nested_forward
@@ -335,7 +340,7 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
             self, batched, query, key, value, key_padding_mask
         )
 
-        q = rearrange(self.q_proj(query), "b l (h e) -> b h l e", h=self.num_heads)
+        q = split_heads(self.q_proj(query), self.num_heads)
         dropout_p = self.dropout if self.training else 0.0
         if cache is None:
             out, weights = self._uncached(
@@ -345,13 +350,13 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
             out, weights = cached_step(
                 self, q, key, value, cache, key_padding_mask, dropout_p, need_weights
             )
-        out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
+        out = self.out_proj(merge_heads(out))
         return from_batch_first(self, batched, out, weights, average_attn_weights)
 
     def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Key and value projections, split into the ``num_kv_heads`` heads."""
-        k = rearrange(self.k_proj(key), "b l (h e) -> b h l e", h=self.num_kv_heads)
-        v = rearrange(self.v_proj(value), "b l (h e) -> b h l e", h=self.num_kv_heads)
+        k = split_heads(self.k_proj(key), self.num_kv_heads)
+        v = split_heads(self.v_proj(value), self.num_kv_heads)
         return k, v
 
     def _uncached(

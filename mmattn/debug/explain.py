@@ -47,6 +47,8 @@ PATH_NOTES = {
     "edge-explicit": "along the edges, the explicit gather / index_add twin (O(E·h·e))",
     "block-sparse": "a compiled pattern (SparseMask): only its non-empty tiles, one batched "
                     "call per bucket of query tiles",
+    "varlen": "torch's varlen_attn (flash on the real lengths; mmattn.kernels.engines)",
+    "flex": "torch's compiled flex_attention with a BlockMask (mmattn.kernels.engines)",
 }
 
 
@@ -59,7 +61,8 @@ class AttentionCall:
         cls: that module's class name.
         path: "fused" (``F.scaled_dot_product_attention``), "explicit" (softmax spelled
             out), "local" (blocked band kernel), "chunked" (additive scores), "packed",
-            "block-sparse" (a compiled pattern) or "torch" (an ``nn.MultiheadAttention`` of
+            "block-sparse" (a compiled pattern), "varlen" / "flex" (a torch engine chosen by
+            :mod:`mmattn.kernels.engines`) or "torch" (an ``nn.MultiheadAttention`` of
             torch's own).
         backend: the SDPA backend torch picks for these tensors ("flash", "efficient",
             "math", "cudnn"), when SDPA runs; None otherwise.
@@ -75,6 +78,10 @@ class AttentionCall:
         modifiers: the score modifiers of the call (``["sinks", "softcap=30", "alibi"]``;
             :mod:`mmattn.kernels.modifiers`), empty without.
         density: for a "block-sparse" call, the share of tiles it computed (else None).
+        engine: on CUDA (or with an engine forced), the engine that ran: "varlen", "flex"
+            or "fallback" (mmattn's own kernel, ``path`` says which); None where no engine
+            was considered (the CPU).
+        engine_reason: why that engine (for "fallback": why no engine took the call).
     """
 
     module: str
@@ -91,10 +98,14 @@ class AttentionCall:
     dropout_p: float = 0.0
     modifiers: list[str] = field(default_factory=list)
     density: float | None = None
+    engine: str | None = None
+    engine_reason: str = ""
 
     @property
     def fused(self) -> bool:
         """True when an SDPA kernel other than the math fallback ran."""
+        if self.path in ("varlen", "flex"):
+            return True
         return self.path in ("fused", "local", "packed") and self.backend not in (None, "math")
 
 
@@ -123,6 +134,9 @@ class Explanation(list):
                              f"{', '.join(call.modifiers)}")
             for reason in call.reasons:
                 lines.append(f"  [{number}] {call.module or '(model)'}: {reason}")
+            if call.engine is not None:
+                lines.append(f"  [{number}] {call.module or '(model)'}: engine {call.engine}: "
+                             f"{call.engine_reason}")
         return "\n".join(lines)
 
 
@@ -257,6 +271,7 @@ def _record(report: dict, module: str, cls: str) -> AttentionCall:
         device=str(tensor.device) if tensor is not None else "",
         dropout_p=dropout_p, density=density,
         modifiers=report["modifiers"].names() if report.get("modifiers") else [],
+        engine=report.get("engine"), engine_reason=report.get("engine_reason", ""),
     )
 
 

@@ -34,7 +34,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn._helpers import ceil_div, exporting, surely
-from mmattn.kernels import _inputs
+from mmattn.kernels import _inputs, _routes
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.dense import attend
 from mmattn.kernels.modifiers import Modifiers, with_bias
@@ -125,6 +125,15 @@ def local_attend(
              "window_size": window_size, "num_global_tokens": num_global_tokens,
              "modifiers": mods}
     reasons = _kernel.explicit_reasons(need_weights, mods)
+    if isinstance(length, int) and length and batch:
+        out, choice = _routes.local(
+            q, k, v, window_size, causal=causal, key_mask=key_mask,
+            num_global_tokens=num_global_tokens, dropout_p=dropout_p, need_weights=need_weights,
+            groups=groups, modifiers=mods, scale=scale)
+        if out is not None:
+            return out, None
+        if choice is not None:  # explain: the fallback ran, and why
+            facts.update(engine="fallback", engine_reason=choice.reason)
     if length == 0 or batch == 0:
         if _kernel.reporting():
             _kernel.report("local", reasons, q=q, k=k, v=v, mask=key_mask, **facts)

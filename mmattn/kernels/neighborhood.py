@@ -42,7 +42,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn._helpers import exporting
-from mmattn.kernels import _inputs
+from mmattn.kernels import _inputs, _routes
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._neighborhood import attend_padded, run_tiles
 from mmattn.kernels._neighborhood_plan import Item, Plan, cached_plan, choose_tiles
@@ -286,9 +286,21 @@ def neighborhood_attend(
         grid, grid_start, [length] * (1 if shared else batch), num_global_tokens,
         packed=False,
     )
+    choice = None
+    if not traced and batch and length:  # CUDA (or forced): an engine first
+        out, choice = _routes.neighborhood(
+            q, k, v, grid, kernel, dilation,
+            first=num_global_tokens if grid_start is None else grid_start, key_mask=key_mask,
+            dropout_p=dropout_p, need_weights=need_weights, modifiers=modifiers, table=table,
+            scale=scale)
+        if out is not None:
+            return out, None
     if _kernel.reporting():
+        engine = {} if choice is None else {"engine": "fallback",
+                                            "engine_reason": choice.reason}
         _kernel.report(
-            "neighborhood", _kernel.explicit_reasons(need_weights, modifiers), q=q, k=k, v=v,
+            "neighborhood", _kernel.explicit_reasons(need_weights, modifiers), **engine,
+            q=q, k=k, v=v,
             mask=key_mask, dropout_p=dropout_p, is_causal=False, scale=scale,
             kernel_size=kernel, dilation=dilation, num_global_tokens=num_global_tokens,
             grid=grid, grid_start=grid_start, modifiers=modifiers, position_bias=table,

@@ -26,6 +26,7 @@ from mmattn._helpers import ceil_div
 from mmattn.kernels import block_sparse as _kernel
 from mmattn.patterns import _flex
 from mmattn.patterns._context import Chunk, Tiles, TokenContext, padding_bound, with_padding
+from mmattn.patterns._segments import segment_source
 from mmattn.tokens import Tokens
 
 __all__ = ["SparseMask"]
@@ -69,6 +70,8 @@ class SparseMask:
         self.full_tiles, self.mixed_tiles, self.mixed_masks = full_tiles, mixed_tiles, mixed_masks
         self._plans: dict[Any, _kernel.TilePlan] = {}
         self._block_mask: Any = None
+        #: a segment-wise pattern's facts for the varlen engine (patterns/_segments.py)
+        self.segment_source: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -189,7 +192,9 @@ def compile_pattern(pattern: Any, tokens: Tokens, block_size: int = 64) -> Spars
             exact = exact & (q < ctx.length) & (k < ctx.length)
         masks[start:start + chunk.shape[0]] = exact
     keep = masks.flatten(1).any(dim=1).nonzero().squeeze(1)  # the non-empty ones
-    return SparseMask(ctx.batch, ctx.length, block, full_tiles, candidates[keep], masks[keep])
+    mask = SparseMask(ctx.batch, ctx.length, block, full_tiles, candidates[keep], masks[keep])
+    mask.segment_source = segment_source(pattern, ctx)
+    return mask
 
 
 def skip_decisions(

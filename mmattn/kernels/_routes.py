@@ -1,0 +1,329 @@
+"""Each structured kernel's hand-over to an engine (:mod:`mmattn.kernels.engines`).
+
+Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``l`` length, ``e`` head
+width.
+
+A kernel calls its route first; the route asks :func:`~mmattn.kernels.engines.select` and
+either runs the engine and returns the output, or returns None (the kernel runs as before).
+On the CPU, with no engine forced, a route costs one check (:func:`engines.considered`).
+Every route reports the engine that ran (path "varlen" / "flex") or, when it declines on a
+device it was asked about, the fallback's reason (:func:`fallback_facts`), for ``explain``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmattn._helpers import ceil_div, exporting
+from mmattn.kernels import dense as _kernel
+from mmattn.kernels import engines
+from mmattn.kernels.modifiers import Modifiers
+
+_MASKS: OrderedDict = OrderedDict()  # geometry → BlockMask (the key mask is a score term)
+_MASKS_KEPT = 32
+
+
+def facts(kind: str, q: Tensor, k: Tensor, v: Tensor, *, groups: int, need_weights: bool,
+          dropout_p: float, key_mask: Tensor | None, modifiers: Modifiers | None,
+          global_tokens: bool = False) -> engines.Call:
+    """The :class:`~mmattn.kernels.engines.Call` of a kernel's arguments."""
+    mods = modifiers if modifiers else None
+    params = [q, k, v] + ([] if mods is None else [mods.sinks, mods.slopes])
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in params)
+    names = () if mods is None else tuple(
+        n for n, on in (("sinks", mods.sinks is not None), ("softcap", mods.softcap is not None),
+                        ("alibi", mods.slopes is not None)) if on)
+    traced = exporting() or torch.compiler.is_compiling() or not isinstance(q.shape[2], int)
+    return engines.Call(
+        kind=kind, device=q.device.type, dtype=q.dtype, head_dim=int(q.shape[-1]),
+        groups=groups, need_weights=need_weights, dropout=dropout_p > 0,
+        fused=_kernel.use_fused_attn(), key_mask=key_mask is not None, modifiers=names,
+        grad=grad, traced=traced, global_tokens=global_tokens,
+    )
+
+
+def report(choice: engines.Choice, path: str, **facts_: Any) -> None:
+    """Tell explain that an engine ran (path = the engine) and why it was chosen."""
+    if _kernel.reporting():
+        _kernel.report(choice.engine, [], engine=choice.engine, engine_reason=choice.reason,
+                       kernel=path, **facts_)
+
+
+@contextlib.contextmanager
+def fallback_facts(choice: engines.Choice | None) -> Iterator[None]:
+    """Inside: every report of the fallback kernel carries the engine "fallback" and why."""
+    if choice is None or not _kernel.reporting():
+        yield
+        return
+    _kernel._FACTS.append({**_kernel._FACTS[-1], "engine": "fallback",
+                           "engine_reason": choice.reason})
+    try:
+        yield
+    finally:
+        _kernel._FACTS.pop()
+
+
+def block_mask(key: tuple, make_mod: Callable[[], Callable], length: int,
+               device: torch.device, block: int):
+    """The BlockMask of the geometry-only mask_mod ``make_mod()`` (one for every batch and
+    head), cached by ``key`` (the geometry); compiled mask creation on CUDA, no (L, L)
+    tensor there."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (key, length, str(device), block)
+    if key in _MASKS:
+        _MASKS.move_to_end(key)
+        return _MASKS[key]
+    mask = create_block_mask(make_mod(), None, None, length, length, device=device,
+                             BLOCK_SIZE=block, _compile=torch.device(device).type == "cuda")
+    _MASKS[key] = mask
+    while len(_MASKS) > _MASKS_KEPT:
+        _MASKS.popitem(last=False)
+    return mask
+
+
+def flex_block(device: torch.device) -> int:
+    """Flex's tile on this device (128 on CUDA; 16 on a forced CPU run, whose test shapes
+    are small)."""
+    return 128 if device.type == "cuda" else 16
+
+
+def band_mask_mod(window: int, causal: bool, num_global_tokens: int,
+                  device: torch.device) -> Callable:
+    """LocalAttention's rule as a mask_mod (|i − j| ≤ w, j ≤ i when causal, the first g
+    tokens global); the numbers are tensors, so every window shares one compiled graph."""
+    w = torch.tensor(window, device=device)
+    g = torch.tensor(num_global_tokens, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = (q_idx - kv_idx).abs() <= w
+        if num_global_tokens:
+            ok = ok | (q_idx < g) | (kv_idx < g)
+        if causal:
+            ok = ok & (kv_idx <= q_idx)
+        return ok
+
+    return mask_mod
+
+
+def local(q: Tensor, k: Tensor, v: Tensor, window: int, *, causal: bool,
+          key_mask: Tensor | None, num_global_tokens: int, dropout_p: float,
+          need_weights: bool, groups: int, modifiers: Modifiers | None,
+          scale: float) -> tuple[Tensor | None, engines.Choice | None]:
+    """LocalAttention's route: varlen ``window_size`` without global tokens, else flex.
+
+    Returns:
+        (output or None, the choice or None when the device was not considered).
+    """
+    if not engines.considered(q.device):
+        return None, None
+    call = facts("window", q, k, v, groups=groups, need_weights=need_weights,
+                 dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers,
+                 global_tokens=num_global_tokens > 0)
+    choice = engines.select(call)
+    batch, _, length, _ = q.shape
+    info = {"q": q, "k": k, "v": v, "mask": key_mask, "is_causal": causal, "scale": scale,
+            "groups": groups, "modifiers": modifiers or None, "window_size": window}
+    if choice.engine == "varlen":
+        from mmattn.kernels.varlen import row_offsets, varlen_attend, window_size
+
+        out = varlen_attend(q, k, v, row_offsets(batch, length, q.device), length,
+                            window=window_size(min(window, length), causal), scale=scale,
+                            groups=groups)
+        report(choice, "local", **info)
+        return out, choice
+    if choice.engine == "flex":
+        from mmattn.kernels.flex import flex_attend
+
+        mask = block_mask(
+            ("band", window, causal, num_global_tokens),
+            lambda: band_mask_mod(window, causal, num_global_tokens, q.device), length,
+            q.device, flex_block(q.device))
+        out = flex_attend(q, k, v, mask, key_mask=key_mask, scale=scale, groups=groups,
+                          modifiers=modifiers)
+        report(choice, "local", **info)
+        return out, choice
+    return None, choice
+
+
+def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q: int,
+           max_k: int, *, is_causal: bool, dropout_p: float,
+           groups: int) -> tuple[Tensor | None, engines.Choice | None]:
+    """Packed Tokens' route: the jagged offsets are varlen's cu_seqlens (no other engine).
+
+    Shape:
+        - q: (t_q, h, e); k, v: (t_k, k, e); offsets (b + 1,); returns (t_q, h, e) or None
+    """
+    if not engines.considered(q.device):
+        return None, None
+    call = facts("segments", q, k, v, groups=groups, need_weights=False, dropout_p=dropout_p,
+                 key_mask=None, modifiers=None)
+    choice = engines.select(call, allowed=tuple(
+        e for e in (engines.forced() or engines.ENGINES) if e != "flex"))
+    if choice.engine != "varlen":
+        return None, choice
+    from mmattn.kernels.varlen import packed_attend
+
+    out = packed_attend(q, k, v, q_off, k_off, max_q, max_k,
+                        window=(-1, 0) if is_causal else (-1, -1), groups=groups)
+    report(choice, "packed", q=q, k=k, v=v, mask=None, is_causal=is_causal, groups=groups)
+    return out, choice
+
+
+def seen_keys(mask: Any) -> Tensor:
+    """(b, l) bool: the keys some query of the SparseMask may attend (cached on the mask):
+    those of its full tiles and the attended columns of its mixed tiles."""
+    seen = mask.__dict__.get("_seen_keys")
+    if seen is None:
+        batch, length, s = mask.batch, mask.length, mask.block_size
+        padded = ceil_div(length, s) * s
+        flat = torch.zeros(batch * padded, dtype=torch.bool, device=mask.device)
+        offsets = torch.arange(s, device=mask.device)
+        full, mixed = mask.full_tiles, mask.mixed_tiles
+        flat[((full[:, 0] * padded + full[:, 2] * s)[:, None] + offsets).reshape(-1)] = True
+        rows = (mixed[:, 0] * padded + mixed[:, 2] * s)[:, None] + offsets
+        flat[rows[mask.mixed_masks.any(dim=1)]] = True
+        seen = mask.__dict__["_seen_keys"] = flat.view(batch, padded)[:, :length]
+    return seen
+
+
+def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | None,
+           is_causal: bool, dropout_p: float, need_weights: bool, groups: int,
+           modifiers: Modifiers | None, scale: float | None = None,
+           ) -> tuple[Tensor | None, engines.Choice | None]:
+    """A SparseMask's route: varlen over the runs of a segment-wise pattern
+    (patterns/_segments.py), else flex with ``mask.block_mask()`` (its tiles as a BlockMask).
+
+    Shape:
+        - q: (b, h, l, e); k, v: (b, k, l, e); returns (b, h, l, e) or None
+    """
+    if not engines.considered(q.device):
+        return None, None
+    source = getattr(mask, "segment_source", None)
+    if source is not None and key_mask is not None and key_mask.dtype == torch.bool and \
+            torch.equal(key_mask, source.real):  # the tokens' own padding: in the runs
+        segment_mask = None
+    else:
+        segment_mask = key_mask
+    call = facts("segments" if source is not None else "blocks", q, k, v, groups=groups,
+                 need_weights=need_weights, dropout_p=dropout_p, key_mask=segment_mask,
+                 modifiers=modifiers)
+    choice = engines.select(call)
+    if choice.engine == "varlen":
+        from mmattn.kernels.varlen import segment_runs
+
+        found = segment_runs(mask)
+        if found is not None:
+            from mmattn.kernels.varlen import varlen_attend
+
+            runs, (left, right) = found
+            out = varlen_attend(q, k, v, runs.cu_seqlens, runs.max_len,
+                                window=(left, 0 if is_causal else right), scale=scale,
+                                groups=groups, dead=runs.dead)
+            report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal,
+                   scale=scale, groups=groups, density=mask.density, block=mask.block_size)
+            return out, choice
+        call = facts("blocks", q, k, v, groups=groups, need_weights=need_weights,
+                     dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers)
+        choice = engines.select(call)  # the segments are not contiguous runs
+    if choice.engine != "flex":
+        return None, choice
+    try:
+        blocks = mask.block_mask()
+    except ValueError as error:  # a block size flex does not run exactly
+        return None, engines.Choice("fallback", f"no BlockMask: {error}")
+    from mmattn.kernels.flex import flex_attend
+
+    out = flex_attend(q, k, v, blocks, key_mask=key_mask, scale=scale, groups=groups,
+                      modifiers=modifiers, causal=is_causal, seen=seen_keys(mask))
+    report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal, scale=scale,
+           groups=groups, modifiers=modifiers or None, density=mask.density,
+           block=mask.block_size)
+    return out, choice
+
+
+def _axis_tables(n: int, k: int, d: int, device: torch.device) -> tuple[Tensor, ...]:
+    """Along one grid axis of ``n`` positions: each position's subgrid (p mod d), index in
+    it, window start and width (NATTEN's clamped window, as ``masks.neighborhood_mask``)."""
+    p = torch.arange(n, device=device)
+    sub, idx = p % d, p // d
+    size = (n - sub + d - 1) // d
+    width = torch.clamp(size, max=k)
+    start = torch.minimum((idx - width // 2).clamp(min=0), size - width)
+    return sub, idx, start, width
+
+
+def window_mask_mod(grid: tuple[int, int], kernel: tuple[int, int], dilation: tuple[int, int],
+                    first: int, device: torch.device) -> Callable:
+    """NeighborhoodAttention's rule as a mask_mod: the grid's tokens are ``first ..
+    first + rows·cols − 1`` (row-major), every other token is global. Pure indexing into
+    per-axis tables built here."""
+    (rows, cols), (kh, kw), (dh, dw) = grid, kernel, dilation
+    rsub, ridx, rstart, rwidth = _axis_tables(rows, kh, dh, device)
+    csub, cidx, cstart, cwidth = _axis_tables(cols, kw, dw, device)
+    lo = torch.tensor(first, device=device)
+    hi = torch.tensor(first + rows * cols, device=device)
+    width = torch.tensor(cols, device=device)
+    last = torch.tensor(rows * cols - 1, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        tq = torch.minimum((q_idx - lo).clamp(min=0), last)  # (a tensor bound: no .item())
+        tk = torch.minimum((kv_idx - lo).clamp(min=0), last)
+        rq, cq, rk, ck = tq // width, tq % width, tk // width, tk % width
+        row = (rsub[rq] == rsub[rk]) & (ridx[rk] >= rstart[rq]) & \
+            (ridx[rk] < rstart[rq] + rwidth[rq])
+        col = (csub[cq] == csub[ck]) & (cidx[ck] >= cstart[cq]) & \
+            (cidx[ck] < cstart[cq] + cwidth[cq])
+        outside = (q_idx < lo) | (q_idx >= hi) | (kv_idx < lo) | (kv_idx >= hi)
+        return outside | (row & col)
+
+    return mask_mod
+
+
+def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, int],
+                 dilation: tuple[int, int], *, first: Any, key_mask: Tensor | None,
+                 dropout_p: float, need_weights: bool, modifiers: Modifiers | None,
+                 table: Tensor | None,
+                 scale: float | None) -> tuple[Tensor | None, engines.Choice | None]:
+    """NeighborhoodAttention's route: flex with a BlockMask of its window (one grid shared
+    by the batch; per-item grids and a relative-position table run the tiled kernel).
+
+    Shape:
+        - q: (b, h, l, e); k, v: (b, k, l, e); returns (b, h, l, e) or None
+    """
+    if not engines.considered(q.device):
+        return None, None
+    groups = q.shape[1] // k.shape[1]
+    call = facts("blocks", q, k, v, groups=groups, need_weights=need_weights,
+                 dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers)
+    choice = engines.select(call)
+    if choice.engine != "flex":
+        return None, choice
+    shared = isinstance(grid, tuple) and len(grid) == 2 and all(isinstance(n, int) for n in grid)
+    if not shared or not isinstance(first, int):
+        return None, engines.Choice("fallback", "flex route: one grid for the whole batch only")
+    if table is not None:
+        return None, engines.Choice("fallback", "flex route: no relative-position table")
+    from mmattn.kernels.flex import flex_attend
+
+    length = q.shape[2]
+    mask = block_mask(("window", grid, kernel, dilation, first),
+                      lambda: window_mask_mod(grid, kernel, dilation, first, q.device), length,
+                      q.device, flex_block(q.device))
+    rows = cols = flat = None
+    if modifiers is not None and modifiers.slopes is not None:
+        t = torch.arange(length, device=q.device) - first
+        flat = (t < 0) | (t >= grid[0] * grid[1])
+        rows, cols = (t // grid[1]).float(), (t % grid[1]).float()
+    out = flex_attend(q, k, v, mask, key_mask=key_mask, scale=scale, groups=groups,
+                      modifiers=modifiers, rows=rows, cols=cols, flat=flat)
+    report(choice, "neighborhood", q=q, k=k, v=v, mask=key_mask, scale=scale, groups=groups,
+           modifiers=modifiers or None, kernel_size=kernel, dilation=dilation, grid=grid)
+    return out, choice
