@@ -40,6 +40,7 @@ class Bucket:
         k_tiles: (N c,) their key tiles, query tile by query tile.
         slots: (N, c, 3) (b, query tile, key tile) of each slot (padding: a real tile).
         allowed: (N, 1, s, c s) bool, True where the pair may attend.
+        all_live: every row has an allowed key (None: not known, the live rows are applied).
     """
 
     count: int
@@ -47,6 +48,7 @@ class Bucket:
     k_tiles: Tensor
     slots: Tensor
     allowed: Tensor
+    all_live: bool | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -72,18 +74,21 @@ class Bucket:
     def fused_mask(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         """The additive mask with dead rows opened, and the live rows (None: all live)."""
         if dtype not in self._masks:
-            self._masks[dtype] = additive(self.allowed, dtype)
+            self._masks[dtype] = additive(self.allowed, dtype, self.all_live)
         return self._masks[dtype]
 
 
-def additive(allowed: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+def additive(
+    allowed: Tensor, dtype: torch.dtype, all_live: bool | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """(mask, live): ``allowed`` as 0 / -inf with rows without a key opened (dense.py's
-    dead-row policy), and those rows' (.., s, 1) live flags (None when every row is live)."""
+    dead-row policy), and those rows' (.., s, 1) live flags (None when ``all_live``; not read
+    back from the device here: unknown, the flags are returned)."""
     live = _dense.live_rows(allowed)
     opened = _dense.open_dead_rows(allowed, live)
     mask = torch.zeros(opened.shape, dtype=dtype, device=opened.device)
     mask = mask.masked_fill(~opened, float("-inf"))
-    return mask, (None if bool(live.all()) else live)
+    return mask, (None if all_live else live)
 
 
 @dataclass
@@ -131,6 +136,11 @@ def plan_tiles(
     s, n = block, ceil_div(length, block)
     padded, device = n * s, mixed_masks.device
     buckets = bucketize(batch, length, s, full_tiles, mixed_tiles, mixed_masks, width)
+    if buckets:  # which buckets have a row without any key: one read for all of them
+        dead = dead_tiles(batch * n, s, full_tiles, mixed_tiles, mixed_masks, n)
+        flags = torch.stack([dead[bk.q_tiles].any() for bk in buckets]).tolist()
+        for bucket, has_dead in zip(buckets, flags):
+            bucket.all_live = not has_dead
     offsets = torch.arange(s, device=device)
     q_tiles = torch.cat([bk.q_tiles for bk in buckets]) if buckets else offsets[:0]
     k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
@@ -147,6 +157,19 @@ def plan_tiles(
     return TilePlan(batch, length, s, padded, tuple(buckets), q_tiles, k_tiles, tile_rows, seen,
                     bool(seen.view(batch, padded)[:, :length].all()), density,
                     CpuPlan((full_tiles, mixed_tiles, mixed_masks, width)))
+
+
+def dead_tiles(
+    count: int, s: int, full_tiles: Tensor, mixed_tiles: Tensor, mixed_masks: Tensor, n: int,
+) -> Tensor:
+    """(b n,) bool: the query tiles with a row that none of their key tiles allows (a full
+    tile allows every row; a mixed tile the rows its mask has a True in)."""
+    live = torch.zeros(count, s, dtype=torch.uint8, device=mixed_masks.device)
+    rows = mixed_masks.view(torch.uint8).amax(dim=2)  # (P, s)
+    index = (mixed_tiles[:, 0] * n + mixed_tiles[:, 1])[:, None].expand_as(rows)
+    live.scatter_reduce_(0, index, rows, "amax")
+    live[full_tiles[:, 0] * n + full_tiles[:, 1]] = 1
+    return (live == 0).any(dim=1)
 
 
 def bucketize(
@@ -171,7 +194,7 @@ def bucketize(
     groups = _groups(busy, counts[busy].tolist(), s)
     cuts = _packed.plan(
         [len(g) * s for g, _ in groups], [c * s for _, c in groups],
-        call_cost=_packed.CALL_WORK / max(width, 1),
+        call_cost=_packed.call_work(device) / max(width, 1),
     )
     offsets = torch.arange(s, device=device)
     # every slot's (s, s) mask, gathered from one bank: full, empty (a padding slot), full

@@ -51,10 +51,20 @@ from mmattn.kernels import dense as _kernel
 #: (q·k and p·v over all heads), and on the CPU one call costs about as much as a 40 x 40
 #: score block at width 512. Narrow models therefore merge more items per call.
 CALL_WORK = 1600.0 * 512
+#: :data:`CALL_WORK` of the device types where it was measured apart from the CPU's. CUDA is
+#: not listed: its per-call overhead is unmeasured (no GPU measured it yet, issue 33), so it
+#: plans with the CPU's figure until a lent GPU measures one call.
+CALL_WORK_BY_DEVICE: dict[str, float] = {}
 #: Relative extra cost of a masked call over an unmasked one.
 MASK_COST = 0.15
 #: Most items one bucket may hold (bounds the planner's work at O(b · MAX_BUCKET)).
 MAX_BUCKET = 64
+
+
+def call_work(device: torch.device | str) -> float:
+    """The fixed cost of one attention call on ``device``'s type (:data:`CALL_WORK_BY_DEVICE`,
+    else the CPU's :data:`CALL_WORK`)."""
+    return CALL_WORK_BY_DEVICE.get(torch.device(device).type, CALL_WORK)
 
 
 @dataclass(frozen=True)
@@ -164,7 +174,7 @@ def layout(
         device: where the indices live.
     """
     cost = _band_cost(*cost_key) if cost_key else None
-    buckets = tuple(plan(list(q_lens), list(k_lens), cost, CALL_WORK / max(width, 1)))
+    buckets = tuple(plan(list(q_lens), list(k_lens), cost, call_work(device) / max(width, 1)))
     items = torch.tensor([m for b in buckets for m in b.items], dtype=torch.long)
     q_w = torch.tensor([b.q_len for b in buckets for _ in b.items], dtype=torch.long)
     k_w = torch.tensor([b.k_len for b in buckets for _ in b.items], dtype=torch.long)

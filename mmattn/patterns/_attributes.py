@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn.patterns._base import Bound, Pattern
-from mmattn.patterns._context import Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Chunk, Rule, Tiles, TokenContext, k_axis, q_axis
 from mmattn.patterns._positions import Full
 
 __all__ = ["same", "modality", "per_modality", "runs"]
@@ -33,10 +33,14 @@ class Same(Pattern):
     def ids(self, ctx: TokenContext) -> Tensor:
         return ctx.ids(self.key)
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    def prepare(self, ctx: TokenContext) -> Rule:
         ids = self.ids(ctx)
-        iq = ids[b, q]
-        return (iq == ids[b, k]) & (iq >= 0)
+
+        def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            iq = ids[b, q]
+            return (iq == ids[b, k]) & (iq >= 0)
+
+        return rule
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         ids = self.ids(ctx)
@@ -89,10 +93,18 @@ class Modality(Pattern):
         table = [wanted is None] + [wanted is None or n in wanted for n in names]
         return torch.tensor(table, dtype=torch.bool, device=ctx.device)
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    def prepare(self, ctx: TokenContext) -> Rule:
         ids, _ = ctx.modalities()
-        tq, tk = self._table(ctx, self.query), self._table(ctx, self.key)
-        return tq[ids[b, q] + 1] & tk[ids[b, k] + 1]
+        # (B, L) bool per side: the token's modality is wanted (None: every token is)
+        wq, wk = (None if wanted is None else self._table(ctx, wanted)[ids + 1]
+                  for wanted in (self.query, self.key))
+        if wq is None and wk is None:
+            return lambda b, q, k: (q == q) & (k == k)
+        if wq is None:
+            return lambda b, q, k: wk[b, k]
+        if wk is None:
+            return lambda b, q, k: wq[b, q]
+        return lambda b, q, k: wq[b, q] & wk[b, k]
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         ids, names = ctx.modalities()
@@ -205,14 +217,17 @@ class PerModality(Pattern):
 
         return ctx.cached(("per-modality", id(self)), build)
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        return self.composed(ctx).rule(ctx, b, q, k)
-
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         return self.composed(ctx).tile_bound(ctx, tiles)
 
-    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
-        return self.composed(ctx).tile_rule(ctx, tiles, where, b, q, k)
+    def prepare(self, ctx: TokenContext) -> Rule:
+        return self.composed(ctx).prepared(ctx)
+
+    def tile_rule(self, chunk: Chunk, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return self.composed(chunk.ctx).tile_rule(chunk, b, q, k)
+
+    def children(self, ctx: TokenContext) -> tuple[Pattern, ...]:
+        return (self.composed(ctx),)
 
     def __repr__(self) -> str:
         return f"per_modality(within={self.within!r}, across={self.across!r})"

@@ -5,10 +5,12 @@ Axis key: ``b`` batch, ``i`` query position, ``j`` key position, ``n``/``m`` que
 Every pattern is a small object with two faces (FlexAttention's ``mask_mod`` beside its
 ``BlockMask``):
 
-- :meth:`Pattern.rule` — the exact rule on broadcastable index tensors ``b, q, k`` (True =
-  may attend); it serves :meth:`~Pattern.dense` (indices over the whole (B, L, L) grid),
+- :meth:`Pattern.prepare` — the exact rule on broadcastable index tensors ``b, q, k`` (True
+  = may attend), as a closure: every per-token table it reads is built in ``prepare``, the
+  closure only indexes and compares (so FlexAttention compiles it, also when its first use
+  is traced). It serves :meth:`~Pattern.dense` (indices over the whole (B, L, L) grid),
   :meth:`~Pattern.compile` (indices inside the mixed tiles only) and
-  :meth:`~Pattern.mask_mod` (FlexAttention's scalar indices under ``vmap``);
+  :meth:`~Pattern.mask_mod` (FlexAttention's indices); :meth:`Pattern.rule` calls it;
 - :meth:`Pattern.bound` — for every (query tile, key tile) of a block size, two booleans
   from per-tile ranges: ``may`` (some pair of the tile may be allowed) and ``must`` (every
   pair is allowed). A tile is empty where not ``may``, full where ``must``, mixed between.
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mmattn.patterns._context import Bound, Tiles, TokenContext, with_padding
+from mmattn.patterns._context import Bound, Chunk, Rule, Tiles, TokenContext, with_padding
 from mmattn.patterns._sparse_mask import SparseMask, compile_pattern
 from mmattn.tokens import Tokens
 
@@ -50,13 +52,33 @@ class Pattern:
 
     # ------------------------------------------------------------------ the two faces
 
+    def prepare(self, ctx: TokenContext) -> Rule:
+        """The exact rule of these tokens as a closure ``rule(b, q, k)``: True where query
+        ``q`` of item ``b`` may attend key ``k``.
+
+        Build every tensor the rule reads here (per-token ids, tables, ...); the closure only
+        indexes those tensors and compares: no tensor is made inside it, no host sync, no
+        lazy cache filled. ``b``, ``q``, ``k`` are integer index tensors that broadcast
+        together; the result has (at most) their broadcast shape. Padding is not its
+        business. The default calls :meth:`rule` (a subclass implements one of the two).
+        """
+        return lambda b, q, k: self.rule(ctx, b, q, k)
+
+    def prepared(self, ctx: TokenContext) -> Rule:
+        """:meth:`prepare`, built once per context (combinators call this)."""
+        return ctx.cached(("prepared", id(self)), lambda: self.prepare(ctx))
+
     def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
         """The exact rule: True where query ``q`` of item ``b`` may attend key ``k``.
 
         ``b``, ``q``, ``k`` are int64 index tensors that broadcast together; the result has
-        (at most) their broadcast shape. Padding is not this method's business.
+        (at most) their broadcast shape. Padding is not this method's business. The default
+        runs :meth:`prepare`'s closure.
         """
-        raise NotImplementedError
+        if type(self).prepare is Pattern.prepare:
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement rule(ctx, b, q, k) or prepare(ctx)")
+        return self.prepared(ctx)(b, q, k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         """(may, must), each broadcastable to (B, n, m): some / every pair of the tile is
@@ -69,13 +91,19 @@ class Pattern:
         """:meth:`bound`, computed once per context and block size (combinators call this)."""
         return ctx.cached(("bound", id(self), tiles.block), lambda: self.bound(ctx, tiles))
 
-    def tile_rule(
-        self, ctx: TokenContext, tiles: Tiles, where: Tensor, b: Tensor, q: Tensor, k: Tensor
-    ) -> Tensor:
-        """:meth:`rule` on the tiles ``where`` (t, 3) (b, query tile, key tile) only; ``b``,
-        ``q``, ``k`` index their pairs. Combinators skip a part whose bound already decides
-        every one of these tiles."""
-        return self.rule(ctx, b, q, k)
+    def tile_rule(self, chunk: Chunk, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        """:meth:`rule` on the tiles of ``chunk`` only; ``b``, ``q``, ``k`` index their
+        pairs. Combinators skip a part whose bound already decides every one of these tiles
+        (``chunk.decided``: looked up, no host sync)."""
+        return self.prepared(chunk.ctx)(b, q, k)
+
+    def children(self, ctx: TokenContext) -> tuple[Pattern, ...]:
+        """The patterns this one is made of (none for a primitive)."""
+        return ()
+
+    def skip_checks(self) -> tuple[tuple[Pattern, bool], ...]:
+        """The (part, must) decisions :meth:`tile_rule` asks ``chunk.decided`` for."""
+        return ()
 
     # ------------------------------------------------------------------ combinators
 
@@ -147,25 +175,24 @@ class Pattern:
         """This rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for these tokens.
 
         It includes the padding rule, so ``create_block_mask(p.mask_mod(tokens), B, None, L,
-        L)`` allows exactly what :meth:`dense` does (the head index is ignored).
+        L)`` allows exactly what :meth:`dense` does (the head index is ignored). Every table
+        it reads is built here (:meth:`prepare`); inside, it only indexes and compares, so
+        ``torch.compile(flex_attention)`` compiles it, also when its first use is traced
+        (``create_block_mask(..., _compile=True)``). See docs/patterns.md, "On a GPU".
+
+        Returns:
+            ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on integer index tensors.
         """
         ctx = TokenContext(tokens)
+        rule = self.prepared(ctx)
+        if ctx.all_real:
+            return lambda b, h, q_idx, kv_idx: rule(b, q_idx, kv_idx)
+        real = ctx.real
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            b, q, k = b.long(), q_idx.long(), kv_idx.long()
-            return self.rule(ctx, b, q, k) & ctx.real[b, q] & ctx.real[b, k]
+            return rule(b, q_idx, kv_idx) & real[b, q_idx] & real[b, kv_idx]
 
         return mask_mod
-
-
-def _decided(part: Pattern, ctx: TokenContext, tiles: Tiles, where: Tensor, must: bool) -> bool:
-    """Whether ``part``'s bound allows every pair (``must``) / no pair (not ``must``) of
-    every tile in ``where``."""
-    may_all, must_all = part.tile_bound(ctx, tiles)
-    grid = must_all if must else may_all
-    grid = grid.expand(ctx.batch, tiles.count, tiles.count)
-    hits = grid[where[:, 0], where[:, 1], where[:, 2]]
-    return bool(hits.all()) if must else not bool(hits.any())
 
 
 def _check_pattern(op: str, other: object) -> Pattern:
@@ -183,22 +210,27 @@ class And(Pattern):
     def __init__(self, a: Pattern, b: Pattern) -> None:
         self.parts = (a, b)
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        first, second = self.parts
-        return first.rule(ctx, b, q, k) & second.rule(ctx, b, q, k)
+    def prepare(self, ctx: TokenContext) -> Rule:
+        first, second = (p.prepared(ctx) for p in self.parts)
+        return lambda b, q, k: first(b, q, k) & second(b, q, k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         (may_a, must_a), (may_b, must_b) = (p.tile_bound(ctx, tiles) for p in self.parts)
         return may_a & may_b, must_a & must_b
 
-    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+    def tile_rule(self, chunk: Chunk, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
         first, second = self.parts
-        if _decided(first, ctx, tiles, where, must=True):  # allows all: the other decides
-            return second.tile_rule(ctx, tiles, where, b, q, k)
-        if _decided(second, ctx, tiles, where, must=True):
-            return first.tile_rule(ctx, tiles, where, b, q, k)
-        return first.tile_rule(ctx, tiles, where, b, q, k) & second.tile_rule(
-            ctx, tiles, where, b, q, k)
+        if chunk.decided(first, must=True):  # allows all: the other decides
+            return second.tile_rule(chunk, b, q, k)
+        if chunk.decided(second, must=True):
+            return first.tile_rule(chunk, b, q, k)
+        return first.tile_rule(chunk, b, q, k) & second.tile_rule(chunk, b, q, k)
+
+    def children(self, ctx: TokenContext) -> tuple[Pattern, ...]:
+        return self.parts
+
+    def skip_checks(self) -> tuple[tuple[Pattern, bool], ...]:
+        return tuple((part, True) for part in self.parts)
 
     def __repr__(self) -> str:
         return f"({self.parts[0]!r} & {self.parts[1]!r})"
@@ -210,22 +242,27 @@ class Or(Pattern):
     def __init__(self, a: Pattern, b: Pattern) -> None:
         self.parts = (a, b)
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        first, second = self.parts
-        return first.rule(ctx, b, q, k) | second.rule(ctx, b, q, k)
+    def prepare(self, ctx: TokenContext) -> Rule:
+        first, second = (p.prepared(ctx) for p in self.parts)
+        return lambda b, q, k: first(b, q, k) | second(b, q, k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         (may_a, must_a), (may_b, must_b) = (p.tile_bound(ctx, tiles) for p in self.parts)
         return may_a | may_b, must_a | must_b
 
-    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
+    def tile_rule(self, chunk: Chunk, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
         first, second = self.parts
-        if _decided(first, ctx, tiles, where, must=False):  # allows none: the other decides
-            return second.tile_rule(ctx, tiles, where, b, q, k)
-        if _decided(second, ctx, tiles, where, must=False):
-            return first.tile_rule(ctx, tiles, where, b, q, k)
-        return first.tile_rule(ctx, tiles, where, b, q, k) | second.tile_rule(
-            ctx, tiles, where, b, q, k)
+        if chunk.decided(first, must=False):  # allows none: the other decides
+            return second.tile_rule(chunk, b, q, k)
+        if chunk.decided(second, must=False):
+            return first.tile_rule(chunk, b, q, k)
+        return first.tile_rule(chunk, b, q, k) | second.tile_rule(chunk, b, q, k)
+
+    def children(self, ctx: TokenContext) -> tuple[Pattern, ...]:
+        return self.parts
+
+    def skip_checks(self) -> tuple[tuple[Pattern, bool], ...]:
+        return tuple((part, False) for part in self.parts)
 
     def __repr__(self) -> str:
         return f"({self.parts[0]!r} | {self.parts[1]!r})"
@@ -237,15 +274,19 @@ class Not(Pattern):
     def __init__(self, a: Pattern) -> None:
         self.part = a
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        return ~self.part.rule(ctx, b, q, k)
+    def prepare(self, ctx: TokenContext) -> Rule:
+        part = self.part.prepared(ctx)
+        return lambda b, q, k: ~part(b, q, k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         may, must = self.part.tile_bound(ctx, tiles)
         return ~must, ~may
 
-    def tile_rule(self, ctx, tiles, where, b, q, k) -> Tensor:
-        return ~self.part.tile_rule(ctx, tiles, where, b, q, k)
+    def tile_rule(self, chunk: Chunk, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return ~self.part.tile_rule(chunk, b, q, k)
+
+    def children(self, ctx: TokenContext) -> tuple[Pattern, ...]:
+        return (self.part,)
 
     def __invert__(self) -> Pattern:
         return self.part

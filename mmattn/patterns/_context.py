@@ -22,7 +22,7 @@ ValueError naming it. Nothing here builds an (l, l) tensor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,9 @@ BIG = 2**62
 
 #: A tile bound: (may, must), each broadcastable to (B, n, m).
 Bound = tuple[Tensor, Tensor]
+
+#: A prepared rule: ``rule(b, q, k)`` on broadcastable index tensors, pure indexing.
+Rule = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -362,14 +365,29 @@ def k_axis(x: Tensor) -> Tensor:
     return x[:, None, :]
 
 
+class Chunk:
+    """Mixed tiles evaluated together by ``Pattern.tile_rule``, with the combinators' skip
+    decisions for them, made beforehand for every chunk at once (no host sync here).
+
+    Attributes:
+        ctx: the TokenContext.
+    """
+
+    def __init__(self, ctx: TokenContext, decisions: Mapping[tuple[int, bool], bool]) -> None:
+        self.ctx, self._decisions = ctx, decisions
+
+    def decided(self, part: Any, must: bool) -> bool:
+        """Whether ``part``'s bound allows every pair (``must``) / no pair (not ``must``) of
+        every tile of the chunk (False when not asked beforehand)."""
+        return self._decisions.get((id(part), must), False)
+
+
 def with_padding(
-    pattern: Any, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor,
-    tiles: Tiles | None = None, where: Tensor | None = None,
+    pattern: Any, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor, chunk: Chunk | None = None,
 ) -> Tensor:
     """``pattern.rule`` where both tokens are real (padded keys and rows never attend); on
-    the tiles ``where`` only (``pattern.tile_rule``) when given."""
-    allowed = pattern.rule(ctx, b, q, k) if where is None else pattern.tile_rule(
-        ctx, tiles, where, b, q, k)
+    the tiles of ``chunk`` only (``pattern.tile_rule``) when given."""
+    allowed = pattern.rule(ctx, b, q, k) if chunk is None else pattern.tile_rule(chunk, b, q, k)
     if ctx.all_real:
         return allowed
     real = ctx.real

@@ -16,23 +16,24 @@ from torch import Tensor
 from mmattn import _checks as checks
 from mmattn.patterns._attributes import Modality, _names
 from mmattn.patterns._base import Bound, Pattern
-from mmattn.patterns._context import Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, q_axis
 
 __all__ = ["neighborhood", "edges"]
 
 
-def axis_window(p: Tensor, s: Tensor, n: Tensor, k: int, d: int) -> Tensor:
-    """Along an axis of ``n`` positions: position ``p`` may attend position ``s`` (NATTEN).
+def axis_window(p: Tensor, n: Tensor, k: int, d: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Along an axis of ``n`` positions, position ``p``'s window (NATTEN): (sub, idx, start,
+    stop). Position ``s`` is in it iff ``s % d == sub`` and ``start <= s // d < stop``.
 
-    ``p`` belongs to the subgrid {q : q = p mod d} of size m; its window is min(k, m)
-    consecutive subgrid positions centred on p and shifted inward at the borders.
+    ``p`` belongs to the subgrid {q : q = p mod d} of size m (``idx`` = p // d its place
+    there); its window is min(k, m) consecutive subgrid positions centred on p and shifted
+    inward at the borders.
     """
     sub, idx = p % d, p // d
     size = (n - sub + d - 1) // d
     width = torch.clamp(size, max=k)
     start = torch.minimum(torch.clamp(idx - width // 2, min=0), size - width)
-    s_idx = s // d
-    return (s % d == sub) & (s_idx >= start) & (s_idx < start + width)
+    return sub, idx, start, start + width
 
 
 def _within(q_lo: Tensor, q_hi: Tensor, k_lo: Tensor, k_hi: Tensor, reach: int) -> Tensor:
@@ -47,13 +48,25 @@ class Neighborhood(Pattern):
     def __init__(self, kernel_size: tuple[int, int], dilation: tuple[int, int]) -> None:
         self.kernel_size, self.dilation = kernel_size, dilation
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    def prepare(self, ctx: TokenContext) -> Rule:
         g = ctx.grid("P.neighborhood")
         (kh, kw), (dh, dw) = self.kernel_size, self.dilation
-        gq = g.gid[b, q]
-        rows = axis_window(g.row[b, q], g.row[b, k], g.rows[b, q], kh, dh)
-        cols = axis_window(g.col[b, q], g.col[b, k], g.cols[b, q], kw, dw)
-        return (gq == g.gid[b, k]) & (gq >= 0) & rows & cols
+        gid = g.gid
+        # per token (B, L), each axis: dilation subgrid, place in it, window [start, stop)
+        axes = [axis_window(g.row, g.rows, kh, dh), axis_window(g.col, g.cols, kw, dw)]
+        dilated = [d > 1 for d in (dh, dw)]
+
+        def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            gq = gid[b, q]
+            allowed = (gq == gid[b, k]) & (gq >= 0)
+            for (sub, idx, start, stop), apart in zip(axes, dilated):
+                ik = idx[b, k]
+                allowed = allowed & (ik >= start[b, q]) & (ik < stop[b, q])
+                if apart:  # (without dilation, every position is in subgrid 0)
+                    allowed = allowed & (sub[b, k] == sub[b, q])
+            return allowed
+
+        return rule
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         g = ctx.grid("P.neighborhood")
@@ -86,16 +99,25 @@ class Edges(Pattern):
     def __init__(self, self_loops: bool) -> None:
         self.self_loops = checks.check_bool("self_loops", self_loops)
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        keys = ctx.edges()
-        length = ctx.length
-        key = (b * length + q) * length + k
-        if keys.numel():
-            pos = torch.searchsorted(keys, key).clamp(max=keys.numel() - 1)
-            hit = keys[pos] == key
-        else:
-            hit = torch.zeros_like(key, dtype=torch.bool)
-        return hit | (q == k) if self.self_loops else hit
+    def prepare(self, ctx: TokenContext) -> Rule:
+        sources, starts, counts, degree = ctx.cached("edge-rows", lambda: edge_rows(ctx))
+        last = max(sources.shape[0] - 1, 0)
+        steps = [1 << i for i in reversed(range(degree.bit_length()))]  # powers of 2 <= degree
+        self_loops = self.self_loops
+
+        def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            start, count = starts[b, q], counts[b, q]
+            stop = start + count
+            # binary lifting: pos = start + the number of the query's sources below k
+            pos = start
+            for step in steps:
+                ahead = pos + step
+                below = sources[(ahead - 1).clamp(max=last)] < k
+                pos = torch.where((ahead <= stop) & below, ahead, pos)
+            hit = (pos < stop) & (sources[pos.clamp(max=last)] == k)
+            return hit | (q == k) if self_loops else hit
+
+        return rule
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         def build() -> Tensor:
@@ -113,6 +135,23 @@ class Edges(Pattern):
 
     def __repr__(self) -> str:
         return f"edges(self_loops={self.self_loops})"
+
+
+def edge_rows(ctx: TokenContext) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The edges grouped by query (target) token: (sources (E,), starts (B, L), counts
+    (B, L), the largest count). Query (b, i) attends ``sources[starts[b, i] : starts[b, i] +
+    counts[b, i]]``, in increasing order (one host read: the largest count)."""
+    keys = ctx.edges()  # sorted (b * L + target) * L + source
+    length = max(ctx.length, 1)
+    rows, sources = keys // length, keys % length
+    counts = torch.zeros(ctx.batch * ctx.length, dtype=torch.long, device=ctx.device)
+    counts.index_add_(0, rows, torch.ones_like(rows))
+    starts = torch.cumsum(counts, 0) - counts
+    degree = int(counts.max()) if counts.numel() else 0
+    if sources.numel() == 0:  # a lookup table that the rule may read (count 0: never hits)
+        sources = torch.zeros(1, dtype=torch.long, device=ctx.device)
+    shape = (ctx.batch, ctx.length)
+    return sources, starts.view(shape), counts.view(shape), degree
 
 
 def neighborhood(

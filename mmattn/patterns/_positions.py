@@ -13,7 +13,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn.patterns._base import Bound, Pattern
-from mmattn.patterns._context import Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, q_axis
 
 __all__ = ["full", "causal", "window", "chunked"]
 
@@ -25,8 +25,8 @@ def _const(ctx: TokenContext, value: bool) -> Tensor:
 class Full(Pattern):
     """Every query attends every key."""
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        return torch.ones_like(q == k)
+    def prepare(self, ctx: TokenContext) -> Rule:
+        return lambda b, q, k: (q == q) & (k == k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         return _const(ctx, True), _const(ctx, True)
@@ -38,8 +38,8 @@ class Full(Pattern):
 class Causal(Pattern):
     """Key k <= query q."""
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        return k <= q
+    def prepare(self, ctx: TokenContext) -> Rule:
+        return lambda b, q, k: k <= q
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         return tiles.k_lo <= tiles.q_hi, tiles.k_hi <= tiles.q_lo
@@ -54,8 +54,9 @@ class Window(Pattern):
     def __init__(self, w: int) -> None:
         self.w = checks.check_positive_int("w", w, minimum=0)
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        return (q - k).abs() <= self.w
+    def prepare(self, ctx: TokenContext) -> Rule:
+        w = self.w
+        return lambda b, q, k: (q - k).abs() <= w
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         w = self.w
@@ -78,10 +79,14 @@ class Chunked(Pattern):
     def _chunks(self, ctx: TokenContext) -> Tensor:
         return ctx.cached(("chunks", self.chunk), lambda: ctx.offsets() // self.chunk)
 
-    def rule(self, ctx: TokenContext, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        chunks = self._chunks(ctx)
-        cq, ck = chunks[b, q], chunks[b, k]
-        return (ck >= cq - self.left) & (ck <= cq + self.right)
+    def prepare(self, ctx: TokenContext) -> Rule:
+        chunks, left, right = self._chunks(ctx), self.left, self.right
+
+        def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            cq, ck = chunks[b, q], chunks[b, k]
+            return (ck >= cq - left) & (ck <= cq + right)
+
+        return rule
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         lo, hi = tiles.span(("chunks", self.chunk), self._chunks(ctx))

@@ -18,13 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn._helpers import ceil_div
 from mmattn.kernels import block_sparse as _kernel
 from mmattn.patterns import _flex
-from mmattn.patterns._context import Tiles, TokenContext, padding_bound, with_padding
+from mmattn.patterns._context import Chunk, Tiles, TokenContext, padding_bound, with_padding
 from mmattn.patterns._segments import segment_source
 from mmattn.tokens import Tokens
 
@@ -157,7 +158,12 @@ class SparseMask:
 
 
 def compile_pattern(pattern: Any, tokens: Tokens, block_size: int = 64) -> SparseMask:
-    """``pattern.compile(tokens, block_size)``: see :meth:`Pattern.compile`."""
+    """``pattern.compile(tokens, block_size)``: see :meth:`Pattern.compile`.
+
+    A few vectorised passes and a constant number of host reads (the two tile lists, the
+    combinators' skip decisions for every chunk at once, the non-empty mixed tiles), however
+    many tiles there are.
+    """
     block = checks.check_positive_int("block_size", block_size)
     ctx = TokenContext(tokens)
     tiles = Tiles(ctx, block)
@@ -170,28 +176,58 @@ def compile_pattern(pattern: Any, tokens: Tokens, block_size: int = 64) -> Spars
     may, must = may.expand(shape), must.expand(shape)
     full_tiles = must.nonzero()
     candidates = (may & ~must).nonzero()
-    kept, masks = [], []
     per_chunk = max(1, CHUNK_PAIRS // (block * block))
+    decisions = skip_decisions(pattern, ctx, tiles, candidates, per_chunk)
+    masks = torch.empty(candidates.shape[0], block, block, dtype=torch.bool, device=ctx.device)
     offsets = torch.arange(block, device=ctx.device)
-    for chunk in candidates.split(per_chunk):
+    last = max(ctx.length - 1, 0)
+    for start, decided in zip(range(0, candidates.shape[0], per_chunk), decisions):
+        chunk = candidates[start:start + per_chunk]
         b, qi, kj = chunk.unbind(1)
         q = qi[:, None, None] * block + offsets[None, :, None]  # (t, s, 1)
         k = kj[:, None, None] * block + offsets[None, None, :]  # (t, 1, s)
-        last = max(ctx.length - 1, 0)
-        exact = with_padding(pattern, ctx, b[:, None, None], q.clamp(max=last), k.clamp(max=last),
-                             tiles=tiles, where=chunk)
+        exact = with_padding(pattern, ctx, b[:, None, None], q.clamp(max=last),
+                             k.clamp(max=last), chunk=Chunk(ctx, decided))
         if ctx.length % block:  # the last tiles reach past L
             exact = exact & (q < ctx.length) & (k < ctx.length)
-        exact = exact.expand(chunk.shape[0], block, block)
-        keep = exact.flatten(1).any(dim=1)
-        kept.append(chunk[keep])
-        masks.append(exact[keep])
-    empty = torch.zeros(0, 3, dtype=torch.long, device=ctx.device)
-    mixed_tiles = torch.cat(kept) if kept else empty
-    mixed_masks = (
-        torch.cat(masks) if masks
-        else torch.zeros(0, block, block, dtype=torch.bool, device=ctx.device)
-    )
-    mask = SparseMask(ctx.batch, ctx.length, block, full_tiles, mixed_tiles, mixed_masks)
+        masks[start:start + chunk.shape[0]] = exact
+    keep = masks.flatten(1).any(dim=1).nonzero().squeeze(1)  # the non-empty ones
+    mask = SparseMask(ctx.batch, ctx.length, block, full_tiles, candidates[keep], masks[keep])
     mask.segment_source = segment_source(pattern, ctx)
     return mask
+
+
+def skip_decisions(
+    pattern: Any, ctx: TokenContext, tiles: Tiles, candidates: Tensor, per_chunk: int,
+) -> list[dict[tuple[int, bool], bool]]:
+    """For every chunk of ``per_chunk`` candidate tiles, the combinators' decisions
+    ``{(id(part), must): every tile of the chunk is decided}`` (``Chunk.decided``), read
+    from the device in one transfer."""
+    chunks = -(-candidates.shape[0] // per_chunk)
+    asked: dict[tuple[int, bool], tuple[Any, bool]] = {}
+    seen: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for part, must in node.skip_checks():
+            asked[(id(part), must)] = (part, must)
+        for child in node.children(ctx):
+            walk(child)
+
+    walk(pattern)
+    if not asked or not chunks:
+        return [{} for _ in range(chunks)]
+    b, qi, kj = candidates.unbind(1)
+    shape = (ctx.batch, tiles.count, tiles.count)
+    rows = []
+    for part, must in asked.values():
+        may_all, must_all = part.tile_bound(ctx, tiles)
+        grid = must_all if must else ~may_all
+        rows.append(grid.expand(shape)[b, qi, kj])
+    flags = torch.stack(rows)  # (asked, t)
+    flags = F.pad(flags, (0, chunks * per_chunk - flags.shape[1]), value=True)
+    table = flags.view(len(rows), chunks, per_chunk).all(dim=-1).T.tolist()  # one read
+    keys = list(asked)
+    return [dict(zip(keys, row)) for row in table]

@@ -1,6 +1,7 @@
 """SparseMask.block_mask(): FlexAttention's BlockMask of the classified tiles — its block
 counts are the SparseMask's tiles, its mask_mod is the exact mask, nothing of L·L elements is
-allocated, and tile widths FlexAttention cannot run exactly are refused."""
+allocated nor read back to the host, and tile widths FlexAttention cannot run exactly are
+refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from mmattn import Tokens
 from mmattn import patterns as P
 from tests.mmattn._pattern_cases import fused_tokens
 from tests.mmattn.test_patterns_compile import LargeAllocations, long_fused
+from tests.mmattn.test_patterns_mask_mod import HostReads
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -81,7 +83,8 @@ def test_block_mask_never_allocates_an_l_by_l_tensor():
                                      "audio": P.window(32)},
                              across=P.modality(query="text") | P.modality(key="text"))
     mask = pattern.compile(tokens, block_size=64)
-    with LargeAllocations(length * length) as watcher:
+    with LargeAllocations(length * length) as watcher, HostReads() as reads:
         bm = mask.block_mask()
     assert watcher.seen == [], watcher.seen
+    assert reads.count == 0  # built on the device: nothing read back
     assert int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) == mask.nonempty_blocks
