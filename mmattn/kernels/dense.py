@@ -188,8 +188,8 @@ def sdpa(
     kernels all call SDPA through here. ``dead_rows=False`` is the caller's promise that
     every row has a key (e.g. a band with no key mask): the guard's passes are then skipped.
     ``sinks`` (h,): sink logits joining every softmax (:func:`~.modifiers.sink_sdpa`).
-    Values of another head width than the queries' (``e_v != e``) take zero columns up to one
-    width (:func:`one_width`), so torch's flash kernels, which take one width, still run.
+    Values of a head width of their own (``e_v != e``) take zero columns up to one width
+    (:func:`one_width`), so torch's flash kernels, which take one width, still run.
 
     Shape:
         - q: (b, h, i, e); k: (b, k, j, e); v: (b, k, j, e_v); mask broadcastable to
@@ -234,11 +234,12 @@ def one_width(
     """q, k and v brought to one head width with zero columns, and the scale made explicit.
 
     A zero column adds an exact zero to every score, so the scores, the weights and the
-    first ``e_v`` output columns are those of the call as given (bit for bit on torch's CPU
-    flash kernel: each dot product only gains ``+ 0·0`` terms). torch's flash kernels take
-    one width; without this a value width of its own (an attention call with extra value
-    columns, such as :func:`mmattn.debug.attention_mass`'s groups) would run SDPA's math
-    path, which forms the (i, j) scores.
+    first ``e_v`` output columns are those of the call as given, within float rounding (a
+    product of another width may group its sums otherwise; at e = 32 on torch's CPU flash
+    kernel they were bit for bit the same). torch's flash kernels take one width; without
+    this a value width of its own (an attention call with extra value columns, such as
+    :func:`mmattn.debug.attention_mass`'s groups) would run SDPA's math path, which forms
+    the (i, j) scores.
 
     Shape:
         - q: (..., i, e); k: (..., j, e); v: (..., j, e_v)
