@@ -22,11 +22,11 @@ of a padded call without dropout takes the values widened by the groups, ``[v | 
 per key head (M <= e columns more), so the scores and the softmax are formed once; its
 first ``e`` output columns go on to ``out_proj`` as the call's own output (the kernels take
 a value width of its own: :func:`mmattn.kernels.dense.one_width`; the first ``e`` columns
-are those of the narrow call) and the rest are the mass. Where the step is not taken that
-way (packed calls, dropout, more groups than ``e``, a layer that attends outside
-``_attention``, a kernel that refuses the width), the module runs the call once more when
-it returns: its recorded q and k, the groups as values (``e`` groups at a time, padded with
-zero columns), eval mode (no dropout), ``bias_v`` zero.
+are those of the narrow call within float rounding) and the rest are the mass. Where the
+step is not taken that way (packed calls, dropout, more groups than ``e``, a layer that
+attends outside ``_attention``, a kernel that refuses the width), the module runs the call
+once more when it returns: its recorded q and k, the groups as values (``e`` groups at a
+time, padded with zero columns), eval mode (no dropout), ``bias_v`` zero.
 
 Top keys need the scores themselves: a kernel path listener receives each kernel report of
 the call, turns it into tiles (:mod:`._mass_views`) and keeps the best keys of each row
