@@ -276,6 +276,25 @@ def test_one_pass_where_the_attention_step_takes_the_groups_with_the_values(name
     torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_one_pass_leaves_the_gradients_of_the_model():
+    """Training mode without dropout takes the one pass; the backward through the call's
+    first e value columns gives the parameters the gradients of a plain run."""
+    layer, tokens = LocalAttention(D, H, window_size=2), fused()
+    grads = []
+    for run in (lambda: layer(tokens.x, key_padding_mask=tokens.key_padding_mask)[0],
+                lambda: attention_mass(layer, tokens).output[0]):
+        layer.zero_grad()
+        out, seen = kernel_reports(run)
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in layer.parameters()])
+    assert len(seen) == 1 and "_attention" not in vars(layer)
+    # k_proj.bias's gradient is a sum that cancels (the softmax ignores it): the tolerance
+    # follows the gradients' size, not that sum's
+    scale = max(g.abs().max().item() for g in grads[0])
+    for plain, mass in zip(*grads):
+        torch.testing.assert_close(mass, plain, rtol=1e-5, atol=1e-6 * scale)
+
+
 def test_dropout_and_packed_calls_take_the_second_run():
     """Training with dropout (the mass is that of the weights before dropout) and packed
     Tokens run the call a second time; the model's outputs stay the layer's own."""
