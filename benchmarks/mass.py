@@ -9,8 +9,9 @@ fused Tokens of two modalities:
 - ``spans``: text then image (``Tokens.cat``: 1/4 text, 3/4 image), the usual fused
   sequence;
 - ``interleaved``: ``meta["modality_ids"]`` switching modality every 48 tokens, so that every
-  tile mixes them (the mass is one more attention call of the layer, with the one-hot
-  modalities as values: both layouts cost the same).
+  tile mixes them (the mass is an attention call of the layer with the one-hot modalities
+  as values, here in the layer's own call, ``[v | modalities]``: both layouts cost the
+  same).
 
 Contenders, interleaved and timed by process CPU time (medians of repeats,
 benchmarks/_harness.py), all under ``torch.no_grad()``:

@@ -11,13 +11,22 @@ their modality facts, of its block), and every mmattn attention module's forward
 to run that call again and the outputs of its ``q_proj`` and ``k_proj``.
 
 The mass of a call is an attention call (DESIGN, "One implementation of each kernel's
-math"): when the call returns, the module runs it once more with the values replaced by the
-one-hot groups of the keys (``e`` groups at a time, padded with zero columns; the same for
-every key head) and its recorded q and k. So whatever kernel, engine and score modifiers
-the call took compute it: a sink's share goes nowhere (its value is zero), appended
-``bias_k`` / zero keys take theirs (``bias_v`` is zero then), dead rows give zero. A query's
-output row is its weight on each group. No weight is formed here, and the model's own call
-runs as it would without it (the second run is in eval mode: it draws no dropout).
+math"): the layer's kernel runs with the one-hot groups of the keys as values (the same for
+every key head), so a query's output row is its weight on each group. Whatever kernel,
+engine and score modifiers the call took compute it: a sink's share goes nowhere (its value
+is zero), appended ``bias_k`` / zero keys take theirs (their group columns are zero), dead
+rows give zero. No weight is formed here.
+
+One pass where it can: the module's attention step (``_attention``, on head-split q, k, v)
+of a padded call without dropout takes the values widened by the groups, ``[v | groups]``
+per key head (M <= e columns more), so the scores and the softmax are formed once; its
+first ``e`` output columns go on to ``out_proj`` as the call's own output (the kernels take
+a value width of its own: :func:`mmattn.kernels.dense.one_width`; the first ``e`` columns
+are those of the narrow call within float rounding) and the rest are the mass. Where the
+step is not taken that way (packed calls, dropout, more groups than ``e``, a layer that
+attends outside ``_attention``, a kernel that refuses the width), the module runs the call
+once more when it returns: its recorded q and k, the groups as values (``e`` groups at a
+time, padded with zero columns), eval mode (no dropout), ``bias_v`` zero.
 
 Top keys need the scores themselves: a kernel path listener receives each kernel report of
 the call, turns it into tiles (:mod:`._mass_views`) and keeps the best keys of each row
@@ -60,6 +69,8 @@ class Call:
     sums: Tensor | None = None
     tally: Tally | None = None
     skip: str | None = None
+    one_pass: bool = False  # the attention step may take the groups with the values
+    steps: int = 0  # attention steps of the call (one pass counts only with exactly one)
 
     def counts(self) -> Tensor:
         """(M,) real query tokens of every group."""
@@ -119,6 +130,10 @@ class Session:
             call.skip = str(why)
             return
         as_input, dtype = _input_form(module, query, offsets), query.dtype
+        call.one_pass = (self.by is not None and offsets is None and not is_jagged(query)
+                         and bool(torch.equal(call.layout.offsets.cpu(), torch.arange(
+                             call.layout.batch + 1) * call.layout.length))
+                         and 0 < len(call.names) <= module.head_dim)
         call.rerun = None if rerun is None else (lambda rows: rerun(as_input(rows.to(dtype))))
 
     def _prepare(self, call: Call, module: nn.Module, query: Any, self_attention: bool,
@@ -183,7 +198,9 @@ class Session:
 
     def close(self, failed: bool = False) -> None:
         call = self.active.pop()
-        if call.skip is None and self.by is not None and not failed:
+        if call.steps != 1 or failed:
+            call.sums = None  # several attention steps (which rows is each?): the second run
+        if call.skip is None and self.by is not None and not failed and call.sums is None:
             try:
                 with torch.no_grad():
                     call.sums = self._measure(call)
@@ -209,22 +226,44 @@ class Session:
         if not call.projected["q"] or call.rerun is None:
             raise Unsupported("the call projected no queries (nothing attended)")
         like = call.projected["q"][0]
-        rows = torch.where(call.layout.real, group, -1)
-        keep = rows >= 0
         sums = torch.zeros(heads, count, count, dtype=torch.float64, device=like.device)
         for start in range(0, count, width):  # head width e: e groups a run
             stop = min(count, start + width)
-            cols = torch.where((group >= start) & (group < stop), group - start, width)
-            onehot = F.one_hot(cols, width + 1)[:, :width].to(like.dtype)  # (t, e), exact
-            values = onehot.repeat(1, module.num_kv_heads)  # (t, k e): every key head
+            values = _onehot(group, start, stop, width, like.dtype)  # (t, e), exact
+            values = values.repeat(1, module.num_kv_heads)  # (t, k e): every key head
             out = self._run_again(call, F.pad(values, (0, module.embed_dim - values.shape[1])))
             per_row = rearrange(out, "... (h e) -> (...) h e", h=heads)[:, :, :stop - start]
-            if per_row.shape[0] != rows.shape[0]:
-                raise Unsupported(f"the call's output has {per_row.shape[0]} rows for "
-                                  f"{rows.shape[0]} tokens")
-            sums[:, :, start:stop].index_add_(1, rows[keep],
-                                              per_row[keep].transpose(0, 1).double())
+            _add_rows(sums[:, :, start:stop], call, per_row)
         return sums
+
+    # -------------------------------------------------------------- the mass: one pass
+
+    def _step_wrapper(self, module: MultiHeadAttention, step):
+        """The module's attention step, taking the groups with the values in the first step
+        of a call that allows it (:attr:`Call.one_pass`)."""
+        def attention(q, k, v, mask, *args, **kwargs):
+            call = self.active[-1] if self.active and not self.replaying else None
+            if call is None or call.module is not module:
+                return step(q, k, v, mask, *args, **kwargs)
+            call.steps += 1
+            wide = None
+            if call.one_pass and call.steps == 1 and kwargs.get("dropout_p", 1.0) == 0:
+                wide = _with_groups(call, q, v)
+            if wide is None:
+                return step(q, k, v, mask, *args, **kwargs)
+            try:
+                out, weights = step(q, k, wide, mask, *args, **kwargs)
+            except (RuntimeError, ValueError, TypeError):  # the kernel refused the width
+                return step(q, k, v, mask, *args, **kwargs)
+            width, count = v.shape[-1], len(call.names)
+            with torch.no_grad():
+                sums = torch.zeros(q.shape[1], count, count, dtype=torch.float64,
+                                   device=q.device)
+                per_row = rearrange(out[..., width:], "b h l m -> (b l) h m")
+                _add_rows(sums, call, per_row[:call.layout.real.shape[0]])
+            call.sums = sums
+            return out[..., :width], weights
+        return attention
 
     def _run_again(self, call: Call, rows: Tensor) -> Tensor:
         """The module's input to ``out_proj`` when it runs the call on ``rows`` with the
@@ -314,9 +353,12 @@ class Session:
             if isinstance(module, MultiHeadAttention):
                 handles.extend(self._attention_hooks(name, module))
                 module.attend_rows = self._rows_wrapper(name, module, module.attend_rows)
+                if self.by is not None:
+                    module._attention = self._step_wrapper(module, module._attention)
                 patched.append(module)
         return [handle.remove for handle in handles] + [
-            (lambda m=m: m.__dict__.pop("attend_rows", None)) for m in patched
+            (lambda m=m: [m.__dict__.pop(a, None) for a in ("attend_rows", "_attention")])
+            for m in patched
         ]
 
     def _record(self, module: nn.Module, name: str):
@@ -373,6 +415,38 @@ class Session:
                 self.close(failed)
 
         return attend_rows
+
+
+def _onehot(group: Tensor, start: int, stop: int, width: int, dtype) -> Tensor:
+    """(t, width) the one-hot groups ``start .. stop - 1`` of every token (zero columns
+    past them, a zero row for a token of no group or another group)."""
+    cols = torch.where((group >= start) & (group < stop), group - start, width)
+    return F.one_hot(cols, width + 1)[:, :width].to(dtype)
+
+
+def _add_rows(sums: Tensor, call: Call, per_row: Tensor) -> None:
+    """Add each real query's (h, n) row of group masses into ``sums`` (h, M, n)."""
+    rows = torch.where(call.layout.real, call.group, -1)
+    if per_row.shape[0] != rows.shape[0]:
+        raise Unsupported(f"the call's output has {per_row.shape[0]} rows for "
+                          f"{rows.shape[0]} tokens")
+    keep = rows >= 0
+    sums.index_add_(1, rows[keep], per_row[keep].transpose(0, 1).double())
+
+
+def _with_groups(call: Call, q: Tensor, v: Tensor) -> Tensor | None:
+    """v (b, k, j, e) with the keys' one-hot groups as M more columns, (b, k, j, e + M);
+    None when q and v are not the call's tokens in order (b items of l positions, then
+    ``j - l`` appended keys, which get zero columns)."""
+    layout, module = call.layout, call.module
+    batch, length = layout.batch, layout.length
+    if q.dim() != 4 or v.dim() != 4 or tuple(q.shape[:3]) != (batch, module.num_heads, length) \
+            or tuple(v.shape[:2]) != (batch, module.num_kv_heads) or v.shape[2] < length:
+        return None
+    count = len(call.names)
+    groups = _onehot(call.group, 0, count, count, v.dtype).view(batch, 1, length, count)
+    groups = F.pad(groups, (0, 0, 0, v.shape[2] - length)).expand(-1, v.shape[1], -1, -1)
+    return torch.cat([v, groups], dim=-1)
 
 
 def _again(forward, signature: inspect.Signature, bound: dict):

@@ -5,14 +5,16 @@ Axis key: ``c`` attention calls, ``b`` batch, ``h`` heads, ``l`` query positions
 ``n`` query / key groups (modalities or segments), ``k`` top keys.
 
 Both functions run the model once and record its attention calls
-(:mod:`mmattn.debug._mass_calls`). The mass of a call is an attention call: the layer runs
-it again with its recorded q and k and the keys' one-hot groups as values, so each query's
-output row is its weight on each group, from the layer's own kernel, engine and score
-modifiers. The top keys need the scores: every kernel reports the tensors it attends with
+(:mod:`mmattn.debug._mass_calls`). The mass of a call is an attention call with the keys'
+one-hot groups as values, so each query's output row is its weight on each group, from
+the layer's own kernel, engine and score modifiers: in the call itself where its attention
+step takes ``[v | groups]`` (one pass; the model's outputs within float rounding), else
+in a second run of the layer with its recorded q and k (outputs bit for bit). The top
+keys need the scores: every kernel reports the tensors it attends with
 (:func:`mmattn.kernels.dense.add_listener`), and their weights are formed tile by tile
 through the kernels' explicit path, keeping the k best keys of each row. No (L, L) tensor
-is formed, and the model runs exactly as it would without them (its outputs are bit for
-bit the same: nothing is asked of it, no weights, no other path).
+is formed, and top_keys leaves the model's run as it is (its outputs are bit for bit the
+same: nothing is asked of it, no weights, no other path).
 """
 
 from __future__ import annotations
@@ -147,10 +149,12 @@ def attention_mass(
 
     Every self-attention call of an mmattn attention module counts, on every kernel, padded
     or packed; cross-attention, decoding steps (``cache=``), Linformer's projected slots and
-    calls whose Tokens carry no modality facts are listed in ``.skipped``. Each call is run
-    once more by its layer, with the groups as values (memory: the layer's own, never
-    (L, L)); the weights are those before dropout, and the model's outputs are the same as
-    without this call. ``model`` may also be a single
+    calls whose Tokens carry no modality facts are listed in ``.skipped``. The groups join
+    the values of the call's attention step (one pass: padded calls without dropout, at
+    most ``head_dim`` groups; the model's outputs are the same within float rounding), or
+    else the call is run once more by its layer with the groups as values (outputs bit for
+    bit the same). Memory: the layer's own, never (L, L); the weights are those before
+    dropout. ``model`` may also be a single
     attention layer: it is then called on ``tokens.x`` with the Tokens' key padding and
     geometry (``grid``, ``edge_index``).
 

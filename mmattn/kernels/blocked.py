@@ -111,15 +111,17 @@ def local_attend(
             positions for the global tokens' distances (sequence parallelism).
 
     Shape:
-        - q: (b, h, l, e); k, v: (b, k, l, e) with ``k`` dividing ``h`` (grouped-query
-          attention: the kernel shares each key head with its query heads, never repeating
-          K/V)
-        - returns: (b, h, l, e) and (b, h, l, l) weights or None
+        - q: (b, h, l, e); k: (b, k, l, e); v: (b, k, l, e_v) with ``k`` dividing ``h``
+          (grouped-query attention: the kernel shares each key head with its query heads,
+          never repeating K/V)
+        - returns: (b, h, l, e_v) and (b, h, l, l) weights or None
     """
     _inputs.check_band(q, k, v, window_size, key_mask, num_global_tokens, block_size)
     batch, heads, length, _ = q.shape
     groups = _kernel.num_groups(q, k, groups)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if v.shape[-1] > q.shape[-1]:  # one head width (dense.one_width) before k's slabs copy it
+        q, k, v, _ = _kernel.one_width(q, k, v, scale)
     mods = modifiers if modifiers else None
     facts = {"dropout_p": dropout_p, "scale": scale, "groups": groups, "causal": causal,
              "window_size": window_size, "num_global_tokens": num_global_tokens,

@@ -188,6 +188,8 @@ def sdpa(
     kernels all call SDPA through here. ``dead_rows=False`` is the caller's promise that
     every row has a key (e.g. a band with no key mask): the guard's passes are then skipped.
     ``sinks`` (h,): sink logits joining every softmax (:func:`~.modifiers.sink_sdpa`).
+    Values of a head width of their own (``e_v != e``) take zero columns up to one width
+    (:func:`one_width`), so torch's flash kernels, which take one width, still run.
 
     Shape:
         - q: (b, h, i, e); k: (b, k, j, e); v: (b, k, j, e_v); mask broadcastable to
@@ -210,6 +212,9 @@ def sdpa(
         if mask.dtype == torch.bool:
             mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
         mask = mask.expand(*mask.shape[:-2], q.shape[-2], mask.shape[-1])
+    value_width = v.shape[-1]
+    if value_width != q.shape[-1]:
+        q, k, v, scale = one_width(q, k, v, scale)
     if sinks is not None:
         out = _mods.sink_sdpa(q, k, v, mask, sinks, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, groups=groups)
@@ -218,7 +223,37 @@ def sdpa(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=groups > 1,
         )
+    if out.shape[-1] != value_width:
+        out = out[..., :value_width]
     return out if live is None else torch.where(live, out, 0.0)
+
+
+def one_width(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor, float]:
+    """q, k and v brought to one head width with zero columns, and the scale made explicit.
+
+    A zero column adds an exact zero to every score, so the scores, the weights and the
+    first ``e_v`` output columns are those of the call as given, within float rounding (a
+    product of another width may group its sums otherwise; at e = 32 on torch's CPU flash
+    kernel they were bit for bit the same). torch's flash kernels take one width; without
+    this a value width of its own (an attention call with extra value columns, such as
+    :func:`mmattn.debug.attention_mass`'s groups) would run SDPA's math path, which forms
+    the (i, j) scores.
+
+    Shape:
+        - q: (..., i, e); k: (..., j, e); v: (..., j, e_v)
+        - returns: q, k, v of width max(e, e_v) (the caller keeps the first e_v output
+          columns), and the scale (default ``1 / sqrt(e)``)
+    """
+    width, value_width = q.shape[-1], v.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(width) if width else 1.0
+    if value_width > width:
+        q, k = F.pad(q, (0, value_width - width)), F.pad(k, (0, value_width - width))
+    else:
+        v = F.pad(v, (0, width - value_width))
+    return q, k, v, scale
 
 
 def clear_dead_keys(mask: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

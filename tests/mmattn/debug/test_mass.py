@@ -21,6 +21,7 @@ from mmattn import (
     Tokens,
 )
 from mmattn.debug import attention_mass, record_attention, top_keys
+from mmattn.kernels import dense as _kernel
 
 D, H = 16, 4
 EDGES = torch.tensor([[0, 1, 2, 3, 7, 8, 9, 15, 16, 20, 24],
@@ -233,6 +234,84 @@ def test_the_model_runs_as_it_would_without_it():
     assert torch.equal(mass.output.x, plain)
     assert not encoder.blocks[0].attn._forward_hooks and "attend_rows" not in vars(
         encoder.blocks[0].attn)
+
+
+def kernel_reports(run) -> tuple[object, list[dict]]:
+    """What ``run()`` returns and the kernel reports of its attention calls."""
+    seen: list[dict] = []
+    remove = _kernel.add_listener(seen.append)
+    try:
+        return run(), seen
+    finally:
+        remove()
+
+
+@pytest.mark.parametrize("name, one_pass", [
+    ("mha", True), ("gqa", True), ("appended", True), ("local", True),
+    ("local-global-causal", True), ("additive", True),
+    ("neighborhood", False), ("edge", False),  # they attend outside the attention step
+])
+def test_one_pass_where_the_attention_step_takes_the_groups_with_the_values(name, one_pass):
+    """A padded call without dropout runs its kernel once, on [v | groups] (e + M value
+    columns), and its output is the layer's alone within float rounding (a matrix product
+    of another width may round otherwise; bit for bit in the second run); a layer that
+    attends outside ``_attention`` runs the call twice (the second run), same table."""
+    layer, tokens = LAYERS[name]().eval(), fused()
+    kwargs = {"edge_index": EDGES} if name == "edge" else {}
+    extra = {**geometry(layer, tokens, kwargs), **kwargs}
+    with torch.no_grad():
+        plain, alone = kernel_reports(
+            lambda: layer(tokens.x, key_padding_mask=tokens.key_padding_mask, **extra)[0])
+        mass, seen = kernel_reports(lambda: attention_mass(layer, tokens, **kwargs))
+    if one_pass:
+        torch.testing.assert_close(mass.output[0], plain, rtol=1e-6,
+                                   atol=1e-6 * plain.abs().max().item())
+    else:
+        assert torch.equal(mass.output[0], plain)
+    assert len(seen) == len(alone) * (1 if one_pass else 2) and alone
+    widths = {record["v"].shape[-1] for record in seen}
+    assert widths == ({layer.head_dim + 2} if one_pass else {layer.head_dim})
+    w = dense_weights(layer, tokens, **kwargs)
+    expected = reference(w, span_groups(tokens), real_of(tokens), 2)
+    torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_one_pass_leaves_the_gradients_of_the_model():
+    """Training mode without dropout takes the one pass; the backward through the call's
+    first e value columns gives the parameters the gradients of a plain run."""
+    layer, tokens = LocalAttention(D, H, window_size=2), fused()
+    grads = []
+    for run in (lambda: layer(tokens.x, key_padding_mask=tokens.key_padding_mask)[0],
+                lambda: attention_mass(layer, tokens).output[0]):
+        layer.zero_grad()
+        out, seen = kernel_reports(run)
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in layer.parameters()])
+    assert len(seen) == 1 and "_attention" not in vars(layer)
+    # k_proj.bias's gradient is a sum that cancels (the softmax ignores it): the tolerance
+    # follows the gradients' size, not that sum's
+    scale = max(g.abs().max().item() for g in grads[0])
+    for plain, mass in zip(*grads):
+        torch.testing.assert_close(mass, plain, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_dropout_and_packed_calls_take_the_second_run():
+    """Training with dropout (the mass is that of the weights before dropout) and packed
+    Tokens run the call a second time; the model's outputs stay the layer's own."""
+    layer, tokens = LocalAttention(D, H, window_size=2, dropout=0.5), fused()
+    torch.manual_seed(3)
+    plain, alone = kernel_reports(
+        lambda: layer(tokens.x, key_padding_mask=tokens.key_padding_mask)[0])
+    torch.manual_seed(3)
+    mass, seen = kernel_reports(lambda: attention_mass(layer, tokens))
+    assert torch.equal(mass.output[0], plain) and len(seen) == 2 * len(alone)
+    packed, padded = packed_pair()
+    layer.eval()
+    mass, seen = kernel_reports(lambda: attention_mass(layer, packed))
+    w = dense_weights(layer, padded)
+    expected = reference(w, span_groups(padded), real_of(padded), 2)
+    torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
+    assert {record["v"].shape[-1] for record in seen} == {layer.head_dim}
 
 
 class LargestTensor(TorchDispatchMode):
