@@ -20,7 +20,8 @@ output row is its weight on each group. No weight is formed here, and the model'
 runs as it would without it (the second run is in eval mode: it draws no dropout).
 
 Top keys need the scores themselves: a kernel path listener receives each kernel report of
-the call, turns it into tiles (:mod:`._mass_views`) and keeps the best keys of each row
+the call, asks that kernel for the weights of its tiles
+(:func:`mmattn.kernels._tiles.weight_tiles`) and keeps the best keys of each row
 (:class:`~._mass_tally.Tally`).
 """
 

@@ -27,6 +27,7 @@ The per-block attention is :func:`mmattn.kernels.dense.attend`, so the fused
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,8 @@ from torch import Tensor
 from mmattn._helpers import ceil_div, exporting, surely
 from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels._segment import default_scale
+from mmattn.kernels._tiles import Tile, acc, modifiers_of, split_mask
 from mmattn.kernels.dense import attend
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
@@ -348,3 +351,50 @@ def _scatter_weights(
         wg = rearrange(wg, "b h n s g -> b h (n s) g")[:, :, :length]
         dense = torch.cat([dense[..., :glob] + wg, dense[..., glob:]], dim=-1)
     return dense
+
+
+def weight_tiles(record: dict) -> Iterator[Tile]:
+    """The tiles of a local call's report (:func:`mmattn.kernels._tiles.weight_tiles`): its
+    own blocks against their key slabs (the tensors it reports), and its global query rows
+    against every key. Block m holds queries ``[m·s, m·s + s)`` and the slab of keys
+    ``[m·s - w, m·s + s + w)`` (no right part when causal), then the global keys.
+    """
+    if "inputs" not in record:  # an empty sequence or batch: nothing attended
+        return
+    qb, kb, mask = record["q"], record["k"], record["mask"]
+    q, k, key_mask = record["inputs"]
+    batch, _, length, _ = q.shape
+    scale = default_scale(q, record.get("scale"))
+    window = min(record["window_size"], length - 1)
+    glob = min(record["num_global_tokens"], length)
+    block = qb.shape[2]
+    blocks = qb.shape[0] // batch
+    left, right = window, (0 if record["causal"] else window)
+    device = q.device
+    m = torch.arange(blocks, device=device)[:, None]
+    q_pos = m * block + torch.arange(block, device=device)  # (n, s)
+    k_pos = m * block - left + torch.arange(block + left + right, device=device)  # (n, t)
+    k_pos = torch.cat([k_pos, torch.arange(glob, device=device).expand(blocks, -1)], dim=1)
+    item = torch.arange(batch, device=device)[:, None, None] * length
+    q_ids = torch.where((q_pos >= glob) & (q_pos < length), item + q_pos, -1)  # global: below
+    k_ids = torch.where((k_pos >= 0) & (k_pos < length), item + k_pos, -1)
+    allowed, bias = split_mask(mask)
+    mods = modifiers_of(record)
+    yield Tile(qb, kb, allowed, bias, scale, rearrange(q_ids, "b n s -> (b n) s"),
+               rearrange(k_ids, "b n t -> (b n) t"), **mods)
+    if glob:  # the global query rows see every key
+        cols = torch.arange(length, device=device)
+        ok = None if not record["causal"] else (cols[None, :] <= cols[:glob, None])[None, None]
+        keyed = None if key_mask is None else rearrange(key_mask, "b j -> b 1 1 j")
+        bias = None
+        if keyed is not None and keyed.dtype == torch.bool:
+            ok = keyed if ok is None else ok & keyed
+        else:
+            bias = keyed
+        found = record.get("modifiers")
+        if found and found.slopes is not None:  # ALiBi at the kernel's global-row positions
+            rows = found.q_pos[:, 0] if found.q_pos is not None else cols
+            alibi = found.alibi(rows[:glob, None], rows[:, None], acc(q))[None]  # (1, h, g, l)
+            bias = alibi if bias is None else bias + alibi
+        item = torch.arange(batch, device=device)[:, None] * length
+        yield Tile(q[:, :, :glob], k, ok, bias, scale, item + cols[:glob], item + cols, **mods)
