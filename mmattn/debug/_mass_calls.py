@@ -21,7 +21,7 @@ runs as it would without it (the second run is in eval mode: it draws no dropout
 
 Top keys need the scores themselves: a kernel path listener receives each kernel report of
 the call, asks that kernel for the weights of its tiles
-(:func:`mmattn.kernels._tiles.weight_tiles`) and keeps the best keys of each row
+(:func:`mmattn.kernels._report_tiles.weight_tiles`) and keeps the best keys of each row
 (:class:`~._mass_tally.Tally`).
 """
 

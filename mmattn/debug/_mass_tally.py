@@ -4,7 +4,7 @@ Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``n`` sl
 tile, ``r`` its query rows, ``j`` its key columns, ``k`` top keys, ``E`` edges.
 
 Each kernel report of the call (:func:`mmattn.kernels.dense.add_listener`) is handed back to
-the kernel that made it (:func:`mmattn.kernels._tiles.weight_tiles`), which gives the
+the kernel that made it (:func:`mmattn.kernels._report_tiles.weight_tiles`), which gives the
 weights of the tiles it runs; here the rows of the call are mapped to tokens and only the k
 best keys of each row are kept.
 """
@@ -17,7 +17,8 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn.debug._mass_groups import Layout
-from mmattn.kernels._tiles import Unsupported, weight_tiles
+from mmattn.kernels._report_tiles import weight_tiles
+from mmattn.kernels._tiles import Unsupported
 
 __all__ = ["Tally", "Unsupported"]
 

@@ -127,7 +127,7 @@ def edge_attend_modified(
 
 def edge_weights(record: dict) -> Weights:
     """The (E, h) weights of an edge call's report with the query (``dst``) and key
-    (``src``) row of each edge (:func:`mmattn.kernels._tiles.weight_tiles`), from the
+    (``src``) row of each edge (:func:`mmattn.kernels._report_tiles.weight_tiles`), from the
     explicit twin (scores, softcap, sink, segment softmax) on zero-width values."""
     q, k, dst, src = record["q"], record["k"], record["dst"], record["src"]
     none = k.new_zeros(*k.shape[:-1], 0)

@@ -4,7 +4,8 @@ Axis key: ``n`` slots (items of the call, or tiles), ``h`` query heads, ``k`` ke
 query rows of a tile, ``j`` key columns of a tile, ``e`` head width, ``E`` edges.
 
 Every kernel tells the path listeners (:func:`mmattn.kernels.dense.add_listener`) what it is
-about to run. :func:`weight_tiles` asks the kernel that made a report for the tiles it runs:
+about to run. :func:`mmattn.kernels._report_tiles.weight_tiles` asks the kernel that made a
+report for the tiles it runs:
 queries (n, h, r, e) against candidate keys (n, k, j, e) with the kernel's own mask and
 modifiers (each kernel module's ``weight_tiles``), and gives their exact weights through
 the dense kernel's explicit path (:func:`weights`). So the scores, masks and modifiers of
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from mmattn.kernels import dense as _dense
+from mmattn.kernels._scores import additive_scores
 from mmattn.kernels._segment import default_scale
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
@@ -94,8 +96,6 @@ def weights(tile: Tile) -> Tensor:
         _, w = _dense.attend(tile.q, tile.k, none, mask, scale=tile.scale, need_weights=True,
                              report_path=False, modifiers=mods)
         return w
-    from mmattn.attention.additive import additive_scores
-
     scores = additive_scores(tile.q, tile.k, tile.score_weight.to(tile.q.dtype))
     return _dense.grouped_softmax_attend(scores, none, mask, 0.0, mods)[1]
 
@@ -164,49 +164,3 @@ def dense_tiles(
                 ok = causal if ok is None else ok & causal
             yield Tile(q[n0:n1, :, r0:r1], k[n0:n1], ok, _part(bias, n0, n1, r0, r1), scale,
                        slot * length + pos, slot * keys + cols, score_weight, softcap, sinks)
-
-
-def _dense_report(record: dict, block: int) -> Iterator[Tile]:
-    return dense_tiles(
-        record["q"], record["k"], record.get("mask"), is_causal=bool(record.get("is_causal")),
-        scale=record.get("scale"), block=block, score_weight=record.get("score_weight"),
-        **modifiers_of(record))
-
-
-def weight_tiles(record: dict, block: int = 64, elements: int = TILE_ELEMENTS
-                 ) -> Iterator[Weights]:
-    """The weights of the call a kernel report describes, tile by tile, each part at most
-    ``elements`` scores (edges: all at once), from the kernel that made the report.
-
-    Args:
-        record: a kernel report (the facts a path listener receives).
-        block: query rows per tile of a dense call (a local band uses its own blocks).
-        elements: scores per part.
-
-    Raises:
-        Unsupported: the report's kernel path has no weight tiles.
-    """
-    from mmattn.kernels import block_sparse, blocked, neighborhood, packed
-    from mmattn.kernels._segment_modifiers import edge_weights
-
-    path = record["path"]
-    if path == "local":
-        tiles = blocked.weight_tiles(record)
-    elif path == "neighborhood":
-        tiles = neighborhood.weight_tiles(record)
-    elif path == "block-sparse" and "plan" in record:
-        tiles = block_sparse.weight_tiles(record)
-    elif path in ("edge", "edge-explicit") and "src" in record:
-        yield edge_weights(record)
-        return
-    elif path == "packed" and record.get("kernel") == "jagged-sdpa":
-        tiles = packed.weight_tiles(record, block)
-    elif path in ("fused", "explicit", "chunked") or (
-        path == "packed" and record.get("kernel") == "buckets"
-    ):
-        tiles = _dense_report(record, block)
-    else:
-        raise Unsupported(f"the {path!r} kernel path has no weight tiles")
-    for tile in tiles:
-        for part in chunks(tile, elements):
-            yield Weights(part.q_ids, part.k_ids, weights(part))

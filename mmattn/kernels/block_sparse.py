@@ -334,9 +334,10 @@ def _with_alibi(parts: tuple, bucket: Bucket, mods: Modifiers | None, padded: in
 
 
 def weight_tiles(record: dict) -> Iterator[Tile]:
-    """The tiles of a block-sparse call's report (:func:`mmattn.kernels._tiles.weight_tiles`):
-    each bucket's query tiles against their key tiles, with the mask and ALiBi term of the
-    explicit path (:func:`explicit_mask`).
+    """The tiles of a block-sparse call's report
+    (:func:`mmattn.kernels._report_tiles.weight_tiles`): each bucket's query tiles against
+    their key tiles, with the mask and ALiBi term of the explicit path
+    (:func:`explicit_mask`).
 
     Shape:
         - record q: (b, h, l, e); k: (b, k, l, e)

@@ -354,7 +354,7 @@ def _scatter_weights(
 
 
 def weight_tiles(record: dict) -> Iterator[Tile]:
-    """The tiles of a local call's report (:func:`mmattn.kernels._tiles.weight_tiles`): its
+    """The tiles of a local call's report (:func:`mmattn.kernels._report_tiles.weight_tiles`): its
     own blocks against their key slabs (the tensors it reports), and its global query rows
     against every key. Block m holds queries ``[m·s, m·s + s)`` and the slab of keys
     ``[m·s - w, m·s + s + w)`` (no right part when causal), then the global keys.

@@ -312,10 +312,11 @@ def neighborhood_attend(
 
 
 def weight_tiles(record: dict) -> Iterator[Tile]:
-    """The tiles of a neighbourhood call's report (:func:`mmattn.kernels._tiles.weight_tiles`)
-    on its flat rows (a padded call's plan over every item of its batch): the plan's tiles
-    with their window masks and additive term (grid ALiBi, the table; global rows get none),
-    then each item's global rows against every key of the item.
+    """The tiles of a neighbourhood call's report
+    (:func:`mmattn.kernels._report_tiles.weight_tiles`) on its flat rows (a padded call's
+    plan over every item of its batch): the plan's tiles with their window masks and
+    additive term (grid ALiBi, the table; global rows get none), then each item's global
+    rows against every key of the item.
     """
     q, k, key_mask = record["q"], record["k"], record.get("mask")
     plan, items = record.get("plan"), record.get("items")

@@ -252,7 +252,7 @@ def report_facts(**facts) -> Iterator[None]:
 
 
 def weight_tiles(record: dict, block: int = 64) -> Iterator:
-    """The tiles of a jagged SDPA call's report (:func:`mmattn.kernels._tiles.weight_tiles`):
+    """The tiles of a jagged SDPA call's report (:func:`mmattn.kernels._report_tiles.weight_tiles`):
     each item's rows as a dense call; the rows are the packed rows (item offset + i)."""
     from mmattn.kernels._tiles import dense_tiles
 
