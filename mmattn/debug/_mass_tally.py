@@ -44,15 +44,10 @@ class Tally:
 
     def feed(self, record: dict, block: int | None) -> None:
         """Add a kernel report of the call: the weights of its tiles (or edges)."""
-        if record["path"] == "block-sparse" and "plan" in record and not torch.equal(
-            self.layout.offsets.cpu(), torch.arange(self.layout.batch + 1) * self.layout.length
-        ):
-            raise Unsupported("a block-sparse call on packed tokens")
         frame = record["inputs"][:2] if "inputs" in record else (record.get("q"),
                                                                  record.get("k"))
         for q_ids, k_ids, w in weight_tiles(record, block or 64, TOP_ELEMENTS):
-            q_tok, k_tok = self._tokens(record, frame[0], q_ids), self._tokens(record, frame[1],
-                                                                              k_ids)
+            q_tok, k_tok = (self._tokens(record, x, ids) for x, ids in zip(frame, (q_ids, k_ids)))
             if w.dim() == 2:
                 self.edges(w, q_tok, k_tok)
             else:
