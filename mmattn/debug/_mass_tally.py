@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn.debug._mass_groups import Layout
-from mmattn.kernels._report_tiles import weight_tiles
+from mmattn.kernels._report_tiles import call_tensors, weight_tiles
 from mmattn.kernels._tiles import Unsupported
 
 __all__ = ["Tally", "Unsupported"]
@@ -44,8 +44,7 @@ class Tally:
 
     def feed(self, record: dict, block: int | None) -> None:
         """Add a kernel report of the call: the weights of its tiles (or edges)."""
-        frame = record["inputs"][:2] if "inputs" in record else (record.get("q"),
-                                                                 record.get("k"))
+        frame = call_tensors(record)
         for q_ids, k_ids, w in weight_tiles(record, block or 64, TOP_ELEMENTS):
             q_tok, k_tok = (self._tokens(record, x, ids) for x, ids in zip(frame, (q_ids, k_ids)))
             if w.dim() == 2:

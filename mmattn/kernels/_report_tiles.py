@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from torch import Tensor
+
 from mmattn.kernels import block_sparse, blocked, neighborhood, packed
 from mmattn.kernels._segment_modifiers import edge_weights
 from mmattn.kernels._tiles import (
@@ -62,3 +64,12 @@ def weight_tiles(record: dict, block: int = 64, elements: int = TILE_ELEMENTS
     for tile in tiles:
         for part in chunks(tile, elements):
             yield Weights(part.q_ids, part.k_ids, weights(part))
+
+
+def call_tensors(record: dict) -> tuple[Tensor | None, Tensor | None]:
+    """The query and key tensors whose rows the tiles of a report name: (b, h, L, e) for a
+    batched call (row ``b·L + i``), flat or jagged otherwise (a local call's are its inputs
+    before blocking)."""
+    if "inputs" in record:
+        return record["inputs"][0], record["inputs"][1]
+    return record.get("q"), record.get("k")
