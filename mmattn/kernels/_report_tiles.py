@@ -27,7 +27,7 @@ def _dense_report(record: dict, block: int) -> Iterator[Tile]:
     return dense_tiles(
         record["q"], record["k"], record.get("mask"), is_causal=bool(record.get("is_causal")),
         scale=record.get("scale"), block=block, score_weight=record.get("score_weight"),
-        **modifiers_of(record))
+        mods=modifiers_of(record))
 
 
 def weight_tiles(record: dict, block: int = 64, elements: int = TILE_ELEMENTS

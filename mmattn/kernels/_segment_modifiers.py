@@ -132,6 +132,6 @@ def edge_weights(record: dict) -> Weights:
     q, k, dst, src = record["q"], record["k"], record["dst"], record["src"]
     none = k.new_zeros(*k.shape[:-1], 0)
     w = edge_attend_modified_explicit(
-        q, k, none, src, dst, Modifiers(**modifiers_of(record)), bias=record.get("bias"),
+        q, k, none, src, dst, modifiers_of(record) or Modifiers(), bias=record.get("bias"),
         scale=default_scale(q, record.get("scale")))[1]
     return Weights(dst, src, w)

@@ -46,9 +46,9 @@ class Tile(NamedTuple):
 
     ``allowed`` (bool, True = may attend) and ``bias`` (added) broadcast to (n, h, r, j);
     ``score_weight`` is set for additive (Bahdanau) scores instead of ``q kᵀ · scale``;
-    ``softcap`` and ``sinks`` as in :class:`~mmattn.kernels.modifiers.Modifiers` (ALiBi and
-    other additive terms are in ``bias``). ``q_ids`` (n, r) and ``k_ids`` (n, j): the call's
-    rows (module docstring).
+    ``mods`` the score modifiers the kernel gives this call (a dense report's ALiBi is in
+    ``bias``: the kernels report their mask with it). ``q_ids`` (n, r) and ``k_ids`` (n, j):
+    the call's rows (module docstring).
     """
 
     q: Tensor
@@ -59,8 +59,7 @@ class Tile(NamedTuple):
     q_ids: Tensor
     k_ids: Tensor
     score_weight: Tensor | None = None
-    softcap: float | None = None
-    sinks: Tensor | None = None
+    mods: Modifiers | None = None
 
 
 class Weights(NamedTuple):
@@ -72,13 +71,11 @@ class Weights(NamedTuple):
     w: Tensor
 
 
-def modifiers_of(record: dict) -> dict:
-    """The softcap and sinks a kernel report carries (its ``modifiers`` fact), as Tile
-    fields; ALiBi is in a tile's ``bias`` (the dense kernels report their mask with it)."""
+def modifiers_of(record: dict) -> Modifiers | None:
+    """The softcap and sinks a kernel report carries (its ``modifiers`` fact); its ALiBi is
+    in the reported mask (dense kernels) or a tile's ``bias``."""
     mods = record.get("modifiers")
-    if not mods:
-        return {}
-    return {"softcap": mods.softcap, "sinks": mods.sinks}
+    return Modifiers(sinks=mods.sinks, softcap=mods.softcap) if mods else None
 
 
 def acc(t: Tensor) -> torch.dtype:
@@ -90,7 +87,7 @@ def weights(tile: Tile) -> Tensor:
     (:func:`mmattn.kernels.dense.attend` with ``need_weights``, or its softmax on additive
     scores): the score function, modifiers and dead-row rule, on zero-width values."""
     mask = with_bias(tile.allowed, tile.bias)
-    mods = Modifiers(sinks=tile.sinks, softcap=tile.softcap)
+    mods = tile.mods
     none = tile.k.new_zeros(*tile.k.shape[:-1], 0)
     if tile.score_weight is None:
         _, w = _dense.attend(tile.q, tile.k, none, mask, scale=tile.scale, need_weights=True,
@@ -134,7 +131,7 @@ def chunks(tile: Tile, elements: int = TILE_ELEMENTS) -> Iterator[Tile]:
 def dense_tiles(
     q: Tensor, k: Tensor, mask: Tensor | None, *, is_causal: bool = False,
     scale: float | None = None, block: int = 64, score_weight: Tensor | None = None,
-    softcap: float | None = None, sinks: Tensor | None = None,
+    mods: Modifiers | None = None,
 ) -> Iterator[Tile]:
     """Blocks of rows of the dense kernel, ``softmax(q kᵀ · scale + mask)`` (or of
     additive scores).
@@ -163,4 +160,4 @@ def dense_tiles(
                 causal = cols[None, :] <= pos[:, None]
                 ok = causal if ok is None else ok & causal
             yield Tile(q[n0:n1, :, r0:r1], k[n0:n1], ok, _part(bias, n0, n1, r0, r1), scale,
-                       slot * length + pos, slot * keys + cols, score_weight, softcap, sinks)
+                       slot * length + pos, slot * keys + cols, score_weight, mods)

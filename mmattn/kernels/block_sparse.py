@@ -361,4 +361,4 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
                    k2[bucket.k_rows].view(bucket.tiles, -1, *k2.shape[1:]).transpose(1, 2),
                    allowed, bias, default_scale(q, record.get("scale")),
                    ids(bucket.q_rows, bucket.tiles), ids(bucket.k_rows, bucket.tiles),
-                   **modifiers_of(record))
+                   mods=modifiers_of(record))

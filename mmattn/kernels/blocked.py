@@ -38,7 +38,7 @@ from mmattn._helpers import ceil_div, exporting, surely
 from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._segment import default_scale
-from mmattn.kernels._tiles import Tile, acc, modifiers_of, split_mask
+from mmattn.kernels._tiles import Tile, modifiers_of, split_mask
 from mmattn.kernels.dense import attend
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
@@ -241,14 +241,7 @@ def local_attend(
         weights = _scatter_weights(wb, batch, length, block, left, right, glob)
 
     if glob:  # the global query rows see every key
-        row_keys = rearrange(keys, "b j -> b 1 1 j")
-        if causal:
-            row_keys = _combine(
-                position[None, :] <= torch.arange(glob, device=device)[:, None], row_keys
-            )
-        glob_mods = mods
-        if alibi:
-            glob_mods = mods.at(rows[:glob, None], rows[:, None])
+        row_keys, glob_mods = _global_rows(keys, position, glob, causal, mods)
         out_g, weights_g = attend(
             q[:, :, :glob], k, v, row_keys, dropout_p=dropout_p, scale=scale,
             need_weights=need_weights, report_path=False, groups=groups, modifiers=glob_mods,
@@ -257,6 +250,20 @@ def local_attend(
         if need_weights:
             weights = torch.cat([weights_g, weights[:, :, glob:]], dim=2)
     return out, weights
+
+
+def _global_rows(keys: Tensor, position: Tensor, glob: int, causal: bool,
+                 mods: Modifiers | None) -> tuple[Tensor, Modifiers | None]:
+    """The first ``glob`` query rows against every key: their mask (b, 1, g | 1, l) from the
+    (b, l) key mask (and ``j <= i`` when causal), and their modifiers (ALiBi at the rows'
+    positions, ``mods.q_pos`` when set)."""
+    row_keys = rearrange(keys, "b j -> b 1 1 j")
+    if causal:
+        row_keys = _combine(position[None, :] <= position[:glob, None], row_keys)
+    if mods is None or mods.slopes is None:
+        return row_keys, mods
+    rows = mods.q_pos[:, 0] if mods.q_pos is not None else position
+    return row_keys, mods.at(rows[:glob, None], rows[:, None])
 
 
 def _attend_blocks(
@@ -378,23 +385,13 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
     item = torch.arange(batch, device=device)[:, None, None] * length
     q_ids = torch.where((q_pos >= glob) & (q_pos < length), item + q_pos, -1)  # global: below
     k_ids = torch.where((k_pos >= 0) & (k_pos < length), item + k_pos, -1)
-    allowed, bias = split_mask(mask)
-    mods = modifiers_of(record)
-    yield Tile(qb, kb, allowed, bias, scale, rearrange(q_ids, "b n s -> (b n) s"),
-               rearrange(k_ids, "b n t -> (b n) t"), **mods)
-    if glob:  # the global query rows see every key
-        cols = torch.arange(length, device=device)
-        ok = None if not record["causal"] else (cols[None, :] <= cols[:glob, None])[None, None]
-        keyed = None if key_mask is None else rearrange(key_mask, "b j -> b 1 1 j")
-        bias = None
-        if keyed is not None and keyed.dtype == torch.bool:
-            ok = keyed if ok is None else ok & keyed
-        else:
-            bias = keyed
-        found = record.get("modifiers")
-        if found and found.slopes is not None:  # ALiBi at the kernel's global-row positions
-            rows = found.q_pos[:, 0] if found.q_pos is not None else cols
-            alibi = found.alibi(rows[:glob, None], rows[:, None], acc(q))[None]  # (1, h, g, l)
-            bias = alibi if bias is None else bias + alibi
-        item = torch.arange(batch, device=device)[:, None] * length
-        yield Tile(q[:, :, :glob], k, ok, bias, scale, item + cols[:glob], item + cols, **mods)
+    yield Tile(qb, kb, *split_mask(mask), scale, rearrange(q_ids, "b n s -> (b n) s"),
+               rearrange(k_ids, "b n t -> (b n) t"), mods=modifiers_of(record))
+    if glob:  # the global query rows see every key, as the kernel runs them
+        keys = _key_bias(key_mask, batch, length, q.dtype, device)
+        row_keys, mods = _global_rows(keys, torch.arange(length, device=device), glob,
+                                      record["causal"], record.get("modifiers"))
+        ids = torch.arange(batch, device=device)[:, None] * length + torch.arange(
+            length, device=device)
+        yield Tile(q[:, :, :glob], k, *split_mask(row_keys), scale, ids[:, :glob], ids,
+                   mods=mods)

@@ -353,13 +353,13 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
         yield Tile(rearrange(qz[qi], "(n s) h e -> n h s e", s=s),
                    rearrange(kz[ki], "(n t) k e -> n k t e", t=t), ok, bias, scale,
                    torch.where(picked, qi, -1).view(n1 - n0, s),
-                   torch.where(ki < rows, ki, -1).view(n1 - n0, t), **mods)
+                   torch.where(ki < rows, ki, -1).view(n1 - n0, t), mods=mods)
     for b in range(plan.gq_index.shape[0]):  # global rows attend every key of their item
         gq, gk, valid = plan.gq_index[b:b + 1], plan.gk_index[b:b + 1], plan.gk_valid[b:b + 1]
         ok, bias = _key_rule(valid[:, None, None], km, gk.reshape(-1), gk.shape[1])
         yield Tile(rearrange(qz[gq], "n g h e -> n h g e"),
                    rearrange(kz[gk], "n j k e -> n k j e"), ok, bias, scale,
-                   torch.where(gq < rows, gq, -1), torch.where(valid, gk, -1), **mods)
+                   torch.where(gq < rows, gq, -1), torch.where(valid, gk, -1), mods=mods)
 
 
 def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
