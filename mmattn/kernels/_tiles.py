@@ -44,7 +44,8 @@ class Unsupported(Exception):
 class Tile(NamedTuple):
     """Queries against candidate keys, as the kernel runs them.
 
-    ``allowed`` (bool, True = may attend) and ``bias`` (added) broadcast to (n, h, r, j);
+    ``allowed`` (bool, True = may attend; or a float mask) and ``bias`` (added) broadcast to
+    (n, h, r, j);
     ``score_weight`` is set for additive (Bahdanau) scores instead of ``q kᵀ · scale``;
     ``mods`` the score modifiers the kernel gives this call (a dense report's ALiBi is in
     ``bias``: the kernels report their mask with it). ``q_ids`` (n, r) and ``k_ids`` (n, j):

@@ -46,10 +46,22 @@ from mmattn._helpers import exporting
 from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._neighborhood import attend_padded, run_tiles
-from mmattn.kernels._neighborhood_plan import Item, Plan, cached_plan, choose_tiles
+from mmattn.kernels._neighborhood_plan import (
+    Item,
+    Plan,
+    cached_plan,
+    choose_tiles,
+    merge_key_mask,
+)
 from mmattn.kernels._neighborhood_terms import grid_coords, pair_terms
 from mmattn.kernels._segment import default_scale
-from mmattn.kernels._tiles import TILE_ELEMENTS, Tile, Unsupported, acc, modifiers_of
+from mmattn.kernels._tiles import (
+    TILE_ELEMENTS,
+    Tile,
+    Unsupported,
+    acc,
+    modifiers_of,
+)
 from mmattn.kernels.modifiers import Modifiers
 
 __all__ = [
@@ -345,9 +357,8 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         qi, ki = plan.q_index[n0 * s:n1 * s], plan.k_index[n0 * t:n1 * t]
-        ok, bias = _key_rule(plan.allowed[n0:n1][:, None], km, ki, t)
-        extra = None if term is None else term(qi.view(n1 - n0, s), ki.view(n1 - n0, t))
-        bias = extra if bias is None else bias if extra is None else bias + extra
+        ok = merge_key_mask(plan.allowed[n0:n1][:, None], _keys(km, ki, t))
+        bias = None if term is None else term(qi.view(n1 - n0, s), ki.view(n1 - n0, t))
         slot = torch.arange(n0 * s, n1 * s, device=q.device)
         picked = (qi < rows) & (pick[qi] == slot)  # a row answered by its first tile
         yield Tile(rearrange(qz[qi], "(n s) h e -> n h s e", s=s),
@@ -356,18 +367,15 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
                    torch.where(ki < rows, ki, -1).view(n1 - n0, t), mods=mods)
     for b in range(plan.gq_index.shape[0]):  # global rows attend every key of their item
         gq, gk, valid = plan.gq_index[b:b + 1], plan.gk_index[b:b + 1], plan.gk_valid[b:b + 1]
-        ok, bias = _key_rule(valid[:, None, None], km, gk.reshape(-1), gk.shape[1])
+        ok = merge_key_mask(valid[:, None, None], _keys(km, gk.reshape(-1), gk.shape[1]))
         yield Tile(rearrange(qz[gq], "n g h e -> n h g e"),
-                   rearrange(kz[gk], "n j k e -> n k j e"), ok, bias, scale,
+                   rearrange(kz[gk], "n j k e -> n k j e"), ok, None, scale,
                    torch.where(gq < rows, gq, -1), torch.where(valid, gk, -1), mods=mods)
 
 
-def _key_rule(ok: Tensor, km: Tensor | None, index: Tensor, width: int):
-    """A tile's pattern with the gathered key mask: (allowed, bias)."""
-    if km is None:
-        return ok, None
-    keyed = rearrange(km[index], "(n t) -> n 1 1 t", t=width)
-    return (ok & keyed, None) if keyed.dtype == torch.bool else (ok, keyed)
+def _keys(km: Tensor | None, index: Tensor, width: int) -> Tensor | None:
+    """The key mask gathered for tiles of ``width`` keys: (n, 1, 1, t), or None."""
+    return None if km is None else rearrange(km[index], "(n t) -> n 1 1 t", t=width)
 
 
 def _grid_term(record: dict, items, total: int, q: Tensor):

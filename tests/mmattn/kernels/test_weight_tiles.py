@@ -89,11 +89,16 @@ def test_dense_with_a_float_mask(mods):
 
 
 @pytest.mark.parametrize("mods", list(MODS))
-def test_neighborhood_with_global_rows(mods):
+@pytest.mark.parametrize("float_keys", [False, True])
+def test_neighborhood_with_global_rows(mods, float_keys):
     torch.manual_seed(2)
     length = 2 + 5 * 6
     q, k, v = (torch.randn(B, H, length, E) for _ in range(3))
-    kwargs = dict(num_global_tokens=2, modifiers=MODS[mods]())
+    key_mask = torch.ones(B, length, dtype=torch.bool)
+    key_mask[1, [0, 5, 17]] = False
+    if float_keys:
+        key_mask = torch.where(key_mask, torch.randn(B, length), float("-inf"))
+    kwargs = dict(num_global_tokens=2, key_mask=key_mask, modifiers=MODS[mods]())
     records = reported(lambda: neighborhood_attend(q, k, v, (5, 6), 3, **kwargs))
     _, w = neighborhood_attend(q, k, v, (5, 6), 3, need_weights=True, **kwargs)
     torch.testing.assert_close(assembled(records, B * length, H, B * length), flat(w),
