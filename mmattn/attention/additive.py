@@ -17,7 +17,6 @@ import math
 from collections.abc import Callable
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -25,34 +24,13 @@ from mmattn._helpers import default
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels._scores import additive_scores
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
 __all__ = ["AdditiveAttention", "additive_scores"]
 
 #: Largest (b, h, i, j, e) block the chunked path materialises at once (64 MiB in fp32).
 CHUNK_ELEMENTS = 1 << 24
-
-
-def additive_scores(q: Tensor, k: Tensor, weight: Tensor) -> Tensor:
-    r"""Bahdanau scores :math:`s_{ij} = \sum_e w_{he} \tanh(q_{ie} + k_{je})` per head.
-
-    Args:
-        q: projected queries :math:`W_q q`. k: projected keys :math:`W_k k`.
-        weight: the score vector ``w`` of each head.
-
-    Shape:
-        - q: (b, h, i, e); k: (b, k, j, e) with ``k`` dividing ``h`` (grouped-query
-          attention: query head ``n`` pairs with key head ``n // (h / k)``); weight: (h, e)
-        - returns: (b, h, i, j)
-    """
-    groups = q.shape[1] // k.shape[1]
-    qg = rearrange(q, "b (k g) i e -> b k g i e", g=groups)
-    hidden = torch.tanh(qg[:, :, :, :, None, :] + k[:, :, None, None, :, :])  # (b k g i j e)
-    # "(k g) e -> k g e", not through einops: a Parameter would join einops' backend cache
-    # on the first eager call and so change a guard of every compiled graph (a recompile)
-    weight = weight.unflatten(0, (k.shape[1], groups))
-    scores = torch.einsum("bkgije,kge->bkgij", hidden, weight)
-    return rearrange(scores, "b k g i j -> b (k g) i j")
 
 
 def _chunked_scores(q: Tensor, k: Tensor, weight: Tensor) -> Tensor:

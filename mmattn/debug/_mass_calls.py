@@ -29,7 +29,8 @@ once more when it returns: its recorded q and k, the groups as values (``e`` gro
 time, padded with zero columns), eval mode (no dropout), ``bias_v`` zero.
 
 Top keys need the scores themselves: a kernel path listener receives each kernel report of
-the call, turns it into tiles (:mod:`._mass_views`) and keeps the best keys of each row
+the call, asks that kernel for the weights of its tiles
+(:func:`mmattn.kernels._report_tiles.weight_tiles`) and keeps the best keys of each row
 (:class:`~._mass_tally.Tally`).
 """
 

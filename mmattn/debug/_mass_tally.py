@@ -3,26 +3,27 @@
 Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``n`` slots of a
 tile, ``r`` its query rows, ``j`` its key columns, ``k`` top keys, ``E`` edges.
 
-Each kernel report of the call (:func:`mmattn.kernels.dense.add_listener`) becomes the
-tiles the kernel runs (:mod:`._mass_views`): their weights come from the kernels' own
-explicit path, and only the k best keys of each row are kept.
+Each kernel report of the call (:func:`mmattn.kernels.dense.add_listener`) is handed back to
+the kernel that made it (:func:`mmattn.kernels._report_tiles.weight_tiles`), which gives the
+weights of the tiles it runs; here the rows of the call are mapped to tokens and only the k
+best keys of each row are kept.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from mmattn.debug import _mass_views as views
 from mmattn.debug._mass_groups import Layout
-from mmattn.debug._mass_terms import neighborhood_terms
-from mmattn.debug._mass_views import Unsupported
+from mmattn.kernels._report_tiles import call_tensors, weight_tiles
+from mmattn.kernels._tiles import Unsupported
 
 __all__ = ["Tally", "Unsupported"]
+
+#: Scores per step of the top keys (small enough to stay in the CPU's cache).
+TOP_ELEMENTS = 1 << 17
 
 
 class Tally:
@@ -42,96 +43,32 @@ class Tally:
                               f"{heads})")
 
     def feed(self, record: dict, block: int | None) -> None:
-        """Add a kernel report of the call: its tiles (or edges) of query rows."""
-        kind, tiles = self._tiles(record, block)
-        for tile in tiles:
-            if kind == "edges":
-                self.edges(*tile)
+        """Add a kernel report of the call: the weights of its tiles (or edges)."""
+        frame = call_tensors(record)
+        for q_ids, k_ids, w in weight_tiles(record, block or 64, TOP_ELEMENTS):
+            q_tok, k_tok = (self._tokens(record, x, ids) for x, ids in zip(frame, (q_ids, k_ids)))
+            if w.dim() == 2:
+                self.edges(w, q_tok, k_tok)
             else:
-                self.rows(tile)
+                self._start(w.shape[1], w)
+                self._top_rows(w, q_tok, k_tok)
 
-    def _slots(self, record: dict, q: Tensor) -> views.Slots:
-        layout = self.layout
+    def _tokens(self, record: dict, x: Tensor, ids: Tensor) -> Tensor:
+        """The token of each row ``ids`` of the call's tensor ``x`` (-1: none): row
+        ``b·L + i`` of a batched call is position i of item b (of ``record["items"][b]`` for
+        a packed bucket), a flat or jagged call's rows are the tokens."""
+        if x.is_nested or x.dim() != 4:
+            return ids
+        layout, length = self.layout, x.shape[2]
         starts, lengths = layout.offsets[:-1], layout.lengths
         if "items" in record:  # a packed bucket: slot n is item items[n]
             items = torch.tensor(record["items"], dtype=torch.long, device=starts.device)
             starts, lengths = starts[items], lengths[items]
-        elif q.shape[0] != layout.batch or q.shape[2] != layout.length:
-            raise Unsupported(f"a kernel call of shape {tuple(q.shape)} on tokens "
+        elif x.shape[0] != layout.batch or length != layout.length:
+            raise Unsupported(f"a kernel call of shape {tuple(x.shape)} on tokens "
                               f"{(layout.batch, layout.length)}")
-        return views.Slots(starts, lengths, starts, lengths)
-
-    def _tiles(self, record: dict, block: int | None) -> tuple[str, Iterator]:
-        path = record["path"]
-        q, k = record.get("q"), record.get("k")
-        if path == "local":  # its blocks and slabs; "inputs" are the tensors before blocking
-            if "inputs" not in record:  # an empty sequence or batch: nothing attended
-                return "rows", iter(())
-            slots = self._slots(record, record["inputs"][0])
-            return "rows", views.band_tiles(record, slots)
-        if (record.get("modifiers") or record.get("position_bias") is not None) and (
-            path not in ("local", "fused", "explicit", "chunked", "packed", "neighborhood",
-                         "block-sparse", "edge", "edge-explicit")
-        ):
-            raise Unsupported(f"score modifiers on the {path!r} kernel are not applied by "
-                              "attention_mass")
-        if path == "neighborhood":
-            return "rows", self._neighborhood(record)
-        if path == "block-sparse" and "plan" in record:
-            layout = self.layout
-            if not torch.equal(layout.offsets.cpu(),
-                               torch.arange(layout.batch + 1) * layout.length):
-                raise Unsupported("a block-sparse call on packed tokens")
-            return "rows", views.sparse_tiles(record)
-        if path in ("edge", "edge-explicit") and "src" in record:
-            w = views.edge_weights(q, k, record["src"], record["dst"], record.get("bias"),
-                                   record.get("scale"), **views.modifiers_of(record))
-            return "edges", iter([(w, record["dst"], record["src"])])
-        if path == "packed" and record.get("kernel") == "jagged-sdpa":
-            return "rows", self._jagged(record, block)
-        if path in ("fused", "explicit", "chunked") or (
-            path == "packed" and record.get("kernel") == "buckets"
-        ):
-            return "rows", views.dense_tiles(
-                q, k, record.get("mask"), self._slots(record, q),
-                is_causal=bool(record.get("is_causal")), scale=record.get("scale"),
-                block=block or 64, score_weight=record.get("score_weight"),
-                **views.modifiers_of(record),
-            )
-        raise Unsupported(f"the {path!r} kernel path is not known to attention_mass")
-
-    def _neighborhood(self, record: dict) -> Iterator:
-        from mmattn.kernels.neighborhood import build_plan, choose_tiles, padded_items
-
-        q, k, key_mask = record["q"], record["k"], record.get("mask")
-        plan, items = record.get("plan"), record.get("items")
-        if plan is None:  # the padded form: a plan over every item of the batch
-            batch, _, length, _ = q.shape
-            kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
-            items = padded_items(batch, length, record["grid"],
-                                 num_global_tokens=record["num_global_tokens"],
-                                 grid_start=record["grid_start"])
-            tiles = choose_tiles(items, kernel, dilation)
-            plan = build_plan(batch * length, items, kernel, dilation, tiles, q.device)
-            q, k = (rearrange(t, "b h l e -> (b l) h e") for t in (q, k))
-            key_mask = None if key_mask is None else key_mask.reshape(-1)
-        return views.plan_tiles(q, k, key_mask, plan, scale=record.get("scale"),
-                                **neighborhood_terms(record, items, q.shape[0], q))
-
-    def _jagged(self, record: dict, block: int | None) -> Iterator:
-        starts, lengths = self.layout.offsets[:-1], self.layout.lengths
-        for m, (qm, km) in enumerate(zip(record["q"].unbind(), record["k"].unbind())):
-            slots = views.Slots(starts[m:m + 1], lengths[m:m + 1], starts[m:m + 1],
-                                lengths[m:m + 1])
-            yield from views.dense_tiles(qm[None], km[None], None, slots,
-                                         is_causal=bool(record.get("is_causal")),
-                                         block=block or 64)
-
-    def rows(self, tile: views.Tile) -> None:
-        """Add a tile (:class:`~mmattn.debug._mass_views.Tile`) of query rows."""
-        self._start(tile.q.shape[1], tile.q)
-        for part in views.chunks(tile, TOP_ELEMENTS):
-            self._top_rows(views.weights(part), part.q_tok, part.k_tok)
+        slot, pos = ids.clamp(min=0) // max(length, 1), ids.clamp(min=0) % max(length, 1)
+        return torch.where((ids >= 0) & (pos < lengths[slot]), starts[slot] + pos, -1)
 
     def _top_rows(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
         """Keep the k best keys of every row: weight first, then the lower key index."""
@@ -178,10 +115,6 @@ class Tally:
         b, i, r = self.layout.item[rows], self.layout.pos[rows], rank[edge, head]
         top_w[b, head, i, r] = wq[edge, head].to(top_w.dtype)
         top_i[b, head, i, r] = self.layout.pos[kq[edge, head]]
-
-
-#: Scores per step of the top keys (small enough to stay in the CPU's cache).
-TOP_ELEMENTS = 1 << 17
 
 
 def _best(key: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,6 @@
-"""Scores of the explicit path: ``q kᵀ · scale`` in one ``baddbmm``, and the grouped-query
-fold of a mask (re-exported by :mod:`mmattn.kernels.dense`, where the explicit path lives).
+"""Scores of the explicit path: ``q kᵀ · scale`` in one ``baddbmm``, Bahdanau's additive
+scores (:class:`mmattn.AdditiveAttention`), and the grouped-query fold of a mask
+(re-exported by :mod:`mmattn.kernels.dense`, where the explicit path lives).
 
 Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``g`` query heads per key
 head, ``i`` query length, ``j`` key length, ``e`` head width.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 
@@ -39,6 +41,28 @@ def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
             alpha=scale,
         )
     return scores.view(*lead, q_len, k_len)
+
+
+def additive_scores(q: Tensor, k: Tensor, weight: Tensor) -> Tensor:
+    r"""Bahdanau scores :math:`s_{ij} = \sum_e w_{he} \tanh(q_{ie} + k_{je})` per head.
+
+    Args:
+        q: projected queries :math:`W_q q`. k: projected keys :math:`W_k k`.
+        weight: the score vector ``w`` of each head.
+
+    Shape:
+        - q: (b, h, i, e); k: (b, k, j, e) with ``k`` dividing ``h`` (grouped-query
+          attention: query head ``n`` pairs with key head ``n // (h / k)``); weight: (h, e)
+        - returns: (b, h, i, j)
+    """
+    groups = q.shape[1] // k.shape[1]
+    qg = rearrange(q, "b (k g) i e -> b k g i e", g=groups)
+    hidden = torch.tanh(qg[:, :, :, :, None, :] + k[:, :, None, None, :, :])  # (b k g i j e)
+    # "(k g) e -> k g e", not through einops: a Parameter would join einops' backend cache
+    # on the first eager call and so change a guard of every compiled graph (a recompile)
+    weight = weight.unflatten(0, (k.shape[1], groups))
+    scores = torch.einsum("bkgije,kge->bkgij", hidden, weight)
+    return rearrange(scores, "b k g i j -> b (k g) i j")
 
 
 def _no_autocast(device_type: str) -> AbstractContextManager:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmattn.kernels._segment import EdgeAttend, acc_dtype, default_scale, segment_softmax
+from mmattn.kernels._tiles import Weights, modifiers_of
 from mmattn.kernels.dense import explicit_reasons, report, reporting, use_fused_attn
 from mmattn.kernels.modifiers import Modifiers
 
@@ -122,3 +123,15 @@ def edge_attend_modified(
         k = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
         v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
     return EdgeAttend.apply(q.contiguous(), k, v, bias, src, dst, scale, dropout_p), None
+
+
+def edge_weights(record: dict) -> Weights:
+    """The (E, h) weights of an edge call's report with the query (``dst``) and key
+    (``src``) row of each edge (:func:`mmattn.kernels._report_tiles.weight_tiles`), from the
+    explicit twin (scores, softcap, sink, segment softmax) on zero-width values."""
+    q, k, dst, src = record["q"], record["k"], record["dst"], record["src"]
+    none = k.new_zeros(*k.shape[:-1], 0)
+    w = edge_attend_modified_explicit(
+        q, k, none, src, dst, modifiers_of(record) or Modifiers(), bias=record.get("bias"),
+        scale=default_scale(q, record.get("scale")))[1]
+    return Weights(dst, src, w)

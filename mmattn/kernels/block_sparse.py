@@ -35,6 +35,7 @@ explicit path, tile by tile.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -52,6 +53,8 @@ from mmattn.kernels._block_sparse_plan import (  # noqa: F401 (the plan's names,
     bucketize,
     plan_tiles,
 )
+from mmattn.kernels._segment import default_scale
+from mmattn.kernels._tiles import Tile, acc, modifiers_of, split_mask
 from mmattn.kernels.modifiers import FLASH_DTYPES, Modifiers
 
 
@@ -328,3 +331,34 @@ def _with_alibi(parts: tuple, bucket: Bucket, mods: Modifiers | None, padded: in
     """A bucket's (additive mask, live rows) with the ALiBi term added to the mask."""
     bias = alibi_term(bucket, mods, padded, parts[0].dtype)
     return parts if bias is None else (parts[0] + bias, parts[1])
+
+
+def weight_tiles(record: dict) -> Iterator[Tile]:
+    """The tiles of a block-sparse call's report
+    (:func:`mmattn.kernels._report_tiles.weight_tiles`): each bucket's query tiles against
+    their key tiles, with the mask and ALiBi term of the explicit path
+    (:func:`explicit_mask`).
+
+    Shape:
+        - record q: (b, h, l, e); k: (b, k, l, e)
+    """
+    q, k, plan = record["q"], record["k"], record["plan"]
+    length, width, padded, s = q.shape[2], q.shape[3], plan.padded, plan.block
+    call = Call.of(record.get("key_mask"), bool(record.get("is_causal")), padded)
+    call = call._replace(mods=record.get("modifiers"))
+    q2, k2 = (_rows(x, padded).view(-1, x.shape[1], width) for x in (q, k))
+
+    def ids(flat: Tensor, tiles: int) -> Tensor:  # padded rows -> b·l + i, -1 past the end
+        pos = flat % padded
+        return torch.where(pos < length, flat // padded * length + pos, -1).view(tiles, -1)
+
+    for bucket in plan.buckets:
+        mask, terms = explicit_mask(bucket, call, padded, acc(q))
+        allowed, bias = split_mask(mask)
+        alibi = None if terms is None else terms.bias
+        bias = alibi if bias is None else bias if alibi is None else bias + alibi
+        yield Tile(q2[bucket.q_rows].view(bucket.tiles, s, *q2.shape[1:]).transpose(1, 2),
+                   k2[bucket.k_rows].view(bucket.tiles, -1, *k2.shape[1:]).transpose(1, 2),
+                   allowed, bias, default_scale(q, record.get("scale")),
+                   ids(bucket.q_rows, bucket.tiles), ids(bucket.k_rows, bucket.tiles),
+                   mods=modifiers_of(record))

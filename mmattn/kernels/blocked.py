@@ -27,6 +27,7 @@ The per-block attention is :func:`mmattn.kernels.dense.attend`, so the fused
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,8 @@ from torch import Tensor
 from mmattn._helpers import ceil_div, exporting, surely
 from mmattn.kernels import _inputs, _routes
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels._segment import default_scale
+from mmattn.kernels._tiles import Tile, modifiers_of, split_mask
 from mmattn.kernels.dense import attend
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
@@ -249,14 +252,7 @@ def local_attend(
         weights = _scatter_weights(wb, batch, length, block, left, right, glob)
 
     if glob:  # the global query rows see every key
-        row_keys = rearrange(keys, "b j -> b 1 1 j")
-        if causal:
-            row_keys = _combine(
-                position[None, :] <= torch.arange(glob, device=device)[:, None], row_keys
-            )
-        glob_mods = mods
-        if alibi:
-            glob_mods = mods.at(rows[:glob, None], rows[:, None])
+        row_keys, glob_mods = _global_rows(keys, position, glob, causal, mods)
         out_g, weights_g = attend(
             q[:, :, :glob], k, v, row_keys, dropout_p=dropout_p, scale=scale,
             need_weights=need_weights, report_path=False, groups=groups, modifiers=glob_mods,
@@ -265,6 +261,20 @@ def local_attend(
         if need_weights:
             weights = torch.cat([weights_g, weights[:, :, glob:]], dim=2)
     return out, weights
+
+
+def _global_rows(keys: Tensor, position: Tensor, glob: int, causal: bool,
+                 mods: Modifiers | None) -> tuple[Tensor, Modifiers | None]:
+    """The first ``glob`` query rows against every key: their mask (b, 1, g | 1, l) from the
+    (b, l) key mask (and ``j <= i`` when causal), and their modifiers (ALiBi at the rows'
+    positions, ``mods.q_pos`` when set)."""
+    row_keys = rearrange(keys, "b j -> b 1 1 j")
+    if causal:
+        row_keys = _combine(position[None, :] <= position[:glob, None], row_keys)
+    if mods is None or mods.slopes is None:
+        return row_keys, mods
+    rows = mods.q_pos[:, 0] if mods.q_pos is not None else position
+    return row_keys, mods.at(rows[:glob, None], rows[:, None])
 
 
 def _attend_blocks(
@@ -359,3 +369,40 @@ def _scatter_weights(
         wg = rearrange(wg, "b h n s g -> b h (n s) g")[:, :, :length]
         dense = torch.cat([dense[..., :glob] + wg, dense[..., glob:]], dim=-1)
     return dense
+
+
+def weight_tiles(record: dict) -> Iterator[Tile]:
+    """The tiles of a local call's report (:func:`mmattn.kernels._report_tiles.weight_tiles`): its
+    own blocks against their key slabs (the tensors it reports), and its global query rows
+    against every key. Block m holds queries ``[m·s, m·s + s)`` and the slab of keys
+    ``[m·s - w, m·s + s + w)`` (no right part when causal), then the global keys.
+    """
+    if "inputs" not in record:  # an empty sequence or batch: nothing attended
+        return
+    qb, kb, mask = record["q"], record["k"], record["mask"]
+    q, k, key_mask = record["inputs"]
+    batch, _, length, _ = q.shape
+    scale = default_scale(q, record.get("scale"))
+    window = min(record["window_size"], length - 1)
+    glob = min(record["num_global_tokens"], length)
+    block = qb.shape[2]
+    blocks = qb.shape[0] // batch
+    left, right = window, (0 if record["causal"] else window)
+    device = q.device
+    m = torch.arange(blocks, device=device)[:, None]
+    q_pos = m * block + torch.arange(block, device=device)  # (n, s)
+    k_pos = m * block - left + torch.arange(block + left + right, device=device)  # (n, t)
+    k_pos = torch.cat([k_pos, torch.arange(glob, device=device).expand(blocks, -1)], dim=1)
+    item = torch.arange(batch, device=device)[:, None, None] * length
+    q_ids = torch.where((q_pos >= glob) & (q_pos < length), item + q_pos, -1)  # global: below
+    k_ids = torch.where((k_pos >= 0) & (k_pos < length), item + k_pos, -1)
+    yield Tile(qb, kb, *split_mask(mask), scale, rearrange(q_ids, "b n s -> (b n) s"),
+               rearrange(k_ids, "b n t -> (b n) t"), mods=modifiers_of(record))
+    if glob:  # the global query rows see every key, as the kernel runs them
+        keys = _key_bias(key_mask, batch, length, q.dtype, device)
+        row_keys, mods = _global_rows(keys, torch.arange(length, device=device), glob,
+                                      record["causal"], record.get("modifiers"))
+        ids = torch.arange(batch, device=device)[:, None] * length + torch.arange(
+            length, device=device)
+        yield Tile(q[:, :, :glob], k, *split_mask(row_keys), scale, ids[:, :glob], ids,
+                   mods=mods)

@@ -35,9 +35,10 @@ reads the rows of another item or outside its tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from mmattn import _checks as checks
@@ -45,7 +46,22 @@ from mmattn._helpers import exporting
 from mmattn.kernels import _inputs, _routes
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._neighborhood import attend_padded, run_tiles
-from mmattn.kernels._neighborhood_plan import Item, Plan, cached_plan, choose_tiles
+from mmattn.kernels._neighborhood_plan import (
+    Item,
+    Plan,
+    cached_plan,
+    choose_tiles,
+    merge_key_mask,
+)
+from mmattn.kernels._neighborhood_terms import grid_coords, pair_terms
+from mmattn.kernels._segment import default_scale
+from mmattn.kernels._tiles import (
+    TILE_ELEMENTS,
+    Tile,
+    Unsupported,
+    acc,
+    modifiers_of,
+)
 from mmattn.kernels.modifiers import Modifiers
 
 __all__ = [
@@ -317,3 +333,78 @@ def neighborhood_attend(
         dropout_p=dropout_p, scale=scale, need_weights=need_weights, modifiers=modifiers,
         table=table,
     )
+
+
+def weight_tiles(record: dict) -> Iterator[Tile]:
+    """The tiles of a neighbourhood call's report
+    (:func:`mmattn.kernels._report_tiles.weight_tiles`) on its flat rows (a padded call's
+    plan over every item of its batch): the plan's tiles with their window masks and
+    additive term (grid ALiBi, the table; global rows get none), then each item's global
+    rows against every key of the item.
+    """
+    q, k, key_mask = record["q"], record["k"], record.get("mask")
+    plan, items = record.get("plan"), record.get("items")
+    kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
+    if plan is None:  # the padded form: a plan over every item of the batch
+        batch, _, length, _ = q.shape
+        items = padded_items(batch, length, record["grid"],
+                             num_global_tokens=record["num_global_tokens"],
+                             grid_start=record["grid_start"])
+        plan = build_plan(batch * length, items, kernel, dilation,
+                          choose_tiles(items, kernel, dilation), q.device)
+        q, k = (rearrange(t, "b h l e -> (b l) h e") for t in (q, k))
+        key_mask = None if key_mask is None else key_mask.reshape(-1)
+    rows, heads, _ = q.shape
+    scale, mods = default_scale(q, record.get("scale")), modifiers_of(record)
+    term = _grid_term(record, items, rows, q)
+    qz = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row ``rows``: none
+    kz = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
+    km = None
+    if key_mask is not None:
+        fill = False if key_mask.dtype == torch.bool else float("-inf")
+        km = torch.cat([key_mask, key_mask.new_full((1,), fill)])
+    n, s, t = plan.allowed.shape
+    step = max(1, TILE_ELEMENTS // max(1, heads * s * t))
+    pick = torch.cat([plan.pick, plan.pick.new_full((1,), -1)])
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        qi, ki = plan.q_index[n0 * s:n1 * s], plan.k_index[n0 * t:n1 * t]
+        ok = merge_key_mask(plan.allowed[n0:n1][:, None], _keys(km, ki, t))
+        bias = None if term is None else term(qi.view(n1 - n0, s), ki.view(n1 - n0, t))
+        slot = torch.arange(n0 * s, n1 * s, device=q.device)
+        picked = (qi < rows) & (pick[qi] == slot)  # a row answered by its first tile
+        yield Tile(rearrange(qz[qi], "(n s) h e -> n h s e", s=s),
+                   rearrange(kz[ki], "(n t) k e -> n k t e", t=t), ok, bias, scale,
+                   torch.where(picked, qi, -1).view(n1 - n0, s),
+                   torch.where(ki < rows, ki, -1).view(n1 - n0, t), mods=mods)
+    for b in range(plan.gq_index.shape[0]):  # global rows attend every key of their item
+        gq, gk, valid = plan.gq_index[b:b + 1], plan.gk_index[b:b + 1], plan.gk_valid[b:b + 1]
+        ok = merge_key_mask(valid[:, None, None], _keys(km, gk.reshape(-1), gk.shape[1]))
+        yield Tile(rearrange(qz[gq], "n g h e -> n h g e"),
+                   rearrange(kz[gk], "n j k e -> n k j e"), ok, None, scale,
+                   torch.where(gq < rows, gq, -1), torch.where(valid, gk, -1), mods=mods)
+
+
+def _keys(km: Tensor | None, index: Tensor, width: int) -> Tensor | None:
+    """The key mask gathered for tiles of ``width`` keys: (n, 1, 1, t), or None."""
+    return None if km is None else rearrange(km[index], "(n t) -> n 1 1 t", t=width)
+
+
+def _grid_term(record: dict, items, total: int, q: Tensor):
+    """(query rows (n, s), key rows (n, t)) -> (n, h, s, t): the report's grid ALiBi and
+    table between the cells of a chunk's rows (:func:`._neighborhood_terms.pair_terms`),
+    or None."""
+    mods, table = record.get("modifiers"), record.get("position_bias")
+    slopes = mods.slopes if mods else None
+    if slopes is None and table is None:
+        return None
+    if items is None:
+        raise Unsupported("a neighbourhood report with ALiBi or a table but not its items")
+    coords = grid_coords(total, tuple(items), q.device)
+    kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
+
+    def term(q_rows: Tensor, k_rows: Tensor) -> Tensor:
+        return pair_terms(coords, q_rows, k_rows, slopes=slopes, table=table, kernel=kernel,
+                          dilation=dilation, dtype=acc(q))
+
+    return term

@@ -259,3 +259,16 @@ def report_facts(**facts) -> Iterator[None]:
         yield
     finally:
         _kernel._FACTS.pop()
+
+
+def weight_tiles(record: dict, block: int = 64) -> Iterator:
+    """The tiles of a jagged SDPA call's report (:func:`mmattn.kernels._report_tiles.weight_tiles`):
+    each item's rows as a dense call; the rows are the packed rows (item offset + i)."""
+    from mmattn.kernels._tiles import dense_tiles
+
+    q_start = k_start = 0
+    for qm, km in zip(record["q"].unbind(), record["k"].unbind()):
+        for tile in dense_tiles(qm[None], km[None], None, block=block,
+                                is_causal=bool(record.get("is_causal"))):
+            yield tile._replace(q_ids=tile.q_ids + q_start, k_ids=tile.k_ids + k_start)
+        q_start, k_start = q_start + qm.shape[1], k_start + km.shape[1]
