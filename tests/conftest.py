@@ -36,6 +36,15 @@ def _seed() -> None:
 LONGEST_FILE = "test_compile_inductor.py"
 
 
+@pytest.fixture
+def fused_only():
+    """Pins the fused path on (the engines run on it only). A file that uses it is also
+    marked ``pins_path``: the MMATTN_FUSED_ATTN=0 pass of ``make test`` would repeat it
+    unchanged."""
+    with fused_attn(True):
+        yield
+
+
 def _pins_path(item: pytest.Item) -> bool:
     """A test run for ``fused`` True and False in a module that pins the attention path with
     ``mmattn.functional.fused_attn``: it takes both paths whatever MMATTN_FUSED_ATTN says."""

@@ -13,21 +13,12 @@ from mmattn import MultiHeadAttention
 from mmattn import patterns as P
 from mmattn.debug import explain
 from mmattn.kernels import engines
-from mmattn.kernels.dense import fused_attn
 from tests.conftest import DEVICES
 from tests.mmattn._pattern_cases import fused_tokens
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 
-pytestmark = pytest.mark.pins_path
-
-
-@pytest.fixture(autouse=True)
-def _fused():
-    """The engines run on the fused path only: pinned on (the MMATTN_FUSED_ATTN=0 pass of
-    ``make test`` would repeat these runs unchanged, hence ``pins_path``)."""
-    with fused_attn(True):
-        yield
+pytestmark = [pytest.mark.pins_path, pytest.mark.usefixtures("fused_only")]
 
 
 PATTERN = P.same("documents") & P.causal() | P.modality(query="text")

@@ -7,19 +7,10 @@ import pytest
 import torch
 
 from mmattn.kernels import engines
-from mmattn.kernels.dense import fused_attn
 from mmattn.kernels.engines import Available, Call, select
 from mmattn.kernels.varlen import offsets, row_offsets, runs, window_size
 
-pytestmark = pytest.mark.pins_path
-
-
-@pytest.fixture(autouse=True)
-def _fused():
-    """The engines run on the fused path only: pinned on (the MMATTN_FUSED_ATTN=0 pass of
-    ``make test`` would repeat these runs unchanged, hence ``pins_path``)."""
-    with fused_attn(True):
-        yield
+pytestmark = [pytest.mark.pins_path, pytest.mark.usefixtures("fused_only")]
 
 
 ALL = Available(varlen=True, varlen_window=True, varlen_gqa=True, varlen_lse=True, flex=True)

@@ -16,20 +16,11 @@ from mmattn import LocalAttention
 from mmattn.debug import explain
 from mmattn.kernels import engines
 from mmattn.kernels.blocked import local_attend
-from mmattn.kernels.dense import fused_attn
 from mmattn.kernels.modifiers import Modifiers
 from tests.conftest import DEVICES
 
 B, H, KV, L, E = 2, 4, 2, 40, 16
-pytestmark = pytest.mark.pins_path
-
-
-@pytest.fixture(autouse=True)
-def _fused():
-    """The engines run on the fused path only: pinned on (the MMATTN_FUSED_ATTN=0 pass of
-    ``make test`` would repeat these runs unchanged, hence ``pins_path``)."""
-    with fused_attn(True):
-        yield
+pytestmark = [pytest.mark.pins_path, pytest.mark.usefixtures("fused_only")]
 
 
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
