@@ -203,7 +203,7 @@ def skip_decisions(
     """For every chunk of ``per_chunk`` candidate tiles, the combinators' decisions
     ``{(id(part), must): every tile of the chunk is decided}`` (``Chunk.decided``), read
     from the device in one transfer."""
-    chunks = -(-candidates.shape[0] // per_chunk)
+    chunks = ceil_div(candidates.shape[0], per_chunk)
     asked: dict[tuple[int, bool], tuple[Any, bool]] = {}
     seen: set[int] = set()
 
