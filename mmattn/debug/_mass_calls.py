@@ -73,17 +73,6 @@ class Call:
     one_pass: bool = False  # the attention step may take the groups with the values
     steps: int = 0  # attention steps of the call (one pass counts only with exactly one)
 
-    def counts(self) -> Tensor:
-        """(M,) real query tokens of every group."""
-        real = torch.where(self.layout.real, self.group, -1)
-        return torch.bincount(real[real >= 0], minlength=len(self.names))
-
-
-def _padded_form(packed: Layout, padded: Layout) -> bool:
-    """Whether ``padded`` (from a padded query) is the unpacked form of ``packed``."""
-    return (packed.batch, packed.length) == (padded.batch, padded.length) and bool(
-        torch.equal(padded.offsets.cpu(), torch.arange(padded.batch + 1) * padded.length))
-
 
 def _as_padded(packed: Layout, groups):
     """The padded layout of packed tokens (item b's tokens first in row b), and their groups
@@ -96,13 +85,6 @@ def _as_padded(packed: Layout, groups):
     moved = torch.full_like(layout.pos, -1)
     moved[packed.item * packed.length + packed.pos] = group
     return layout, (names, moved)
-
-
-def _first_tokens(args: tuple, kwargs: dict) -> Tokens | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tokens):
-            return value
-    return None
 
 
 class Session:
@@ -131,9 +113,8 @@ class Session:
             call.skip = str(why)
             return
         as_input, dtype = _input_form(module, query, offsets), query.dtype
+        # a padded query: its layout is padded too (the Tokens matched, or moved there)
         call.one_pass = (self.by is not None and offsets is None and not is_jagged(query)
-                         and bool(torch.equal(call.layout.offsets.cpu(), torch.arange(
-                             call.layout.batch + 1) * call.layout.length))
                          and 0 < len(call.names) <= module.head_dim)
         call.rerun = None if rerun is None else (lambda rows: rerun(as_input(rows.to(dtype))))
 
@@ -168,9 +149,10 @@ class Session:
         if tokens is not None:
             layout = self._layout(tokens)
             groups = self._groups(tokens, layout)
-        else:  # packed Tokens a block runs padded (a pattern's block-sparse kernel)
+        elif offsets is None and not is_jagged(query):  # packed Tokens a block runs padded
+            size = (layout.batch, layout.length)  # (a pattern's block-sparse kernel)
             tokens = next((t for t in reversed(self.tokens) if t is not None and t.is_packed
-                           and _padded_form(self._layout(t), layout)), None)
+                           and (self._layout(t).batch, self._layout(t).length) == size), None)
             if tokens is not None:
                 packed = self._layout(tokens)
                 found = self._groups(tokens, packed)
@@ -342,7 +324,8 @@ class Session:
 
         def push(module, args, kwargs):
             if not self.replaying:
-                self.tokens.append(_first_tokens(args, kwargs))
+                self.tokens.append(next((value for value in (*args, *kwargs.values())
+                                         if isinstance(value, Tokens)), None))
 
         def pop(module, args, kwargs, output):
             if self.tokens and not self.replaying:
