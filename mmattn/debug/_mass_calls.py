@@ -37,8 +37,7 @@ the call, asks that kernel for the weights of its tiles
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,11 +111,12 @@ class Session:
         except Unsupported as why:
             call.skip = str(why)
             return
-        as_input, dtype = _input_form(module, query, offsets), query.dtype
         # a padded query: its layout is padded too (the Tokens matched, or moved there)
         call.one_pass = (self.by is not None and offsets is None and not is_jagged(query)
                          and 0 < len(call.names) <= module.head_dim)
-        call.rerun = None if rerun is None else (lambda rows: rerun(as_input(rows.to(dtype))))
+        if rerun is not None:
+            as_input, dtype = _input_form(module, query, offsets), query.dtype
+            call.rerun = lambda rows: rerun(as_input(rows.to(dtype)))
 
     def _prepare(self, call: Call, module: nn.Module, query: Any, self_attention: bool,
                  key_padding_mask: Tensor | None, offsets: Tensor | None, cached: bool) -> None:
@@ -271,17 +271,9 @@ class Session:
             captured.append(x)
             return x
 
+        # projections swapped, eval mode (no dropout), ``bias_v`` zero, no hook of ours
         swaps = {module.q_proj: recorded("q"), module.k_proj: recorded("k"),
                  module.v_proj: values, module.out_proj: out}
-        with self._second_run(module, swaps):
-            call.rerun(rows)
-        if not captured:
-            raise Unsupported("the second run did not reach out_proj")
-        return captured[-1]
-
-    @contextmanager
-    def _second_run(self, module: nn.Module, swaps: dict) -> Iterator[None]:
-        """Projections swapped, eval mode (no dropout), ``bias_v`` zero, no hook of ours."""
         training, bias_v = module.training, getattr(module, "bias_v", None)
         saved = None if bias_v is None else bias_v.data
         for proj, forward in swaps.items():
@@ -290,13 +282,16 @@ class Session:
         if bias_v is not None:
             bias_v.data = torch.zeros_like(saved)
         try:
-            yield
+            call.rerun(rows)
         finally:
             for proj in swaps:
                 del proj.forward
             module.training, self.replaying = training, False
             if bias_v is not None:
                 bias_v.data = saved
+        if not captured:
+            raise Unsupported("the second run did not reach out_proj")
+        return captured[-1]
 
     # -------------------------------------------------------------- reports
 
