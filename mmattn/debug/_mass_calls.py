@@ -5,31 +5,26 @@ Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``d`` mo
 ``e`` head width, ``M`` groups.
 
 A :class:`Session` puts hooks on the model: every module's forward pre-hook notes the
-:class:`~mmattn.tokens.Tokens` it was given (so an attention call finds the Tokens, and
-their modality facts, of its block), and every mmattn attention module's forward (and its
-``attend_rows``, which blocks call for packed Tokens) opens a :class:`Call`, which keeps how
-to run that call again and the outputs of its ``q_proj`` and ``k_proj``.
+:class:`~mmattn.tokens.Tokens` it was given (an attention call finds the Tokens, and their
+modality facts, of its block), and every mmattn attention module's forward (and its
+``attend_rows``, which blocks call for packed Tokens) opens a :class:`Call`.
 
 The mass of a call is an attention call (DESIGN, "One implementation of each kernel's
-math"): the layer's kernel runs with the one-hot groups of the keys as values (the same for
-every key head), so a query's output row is its weight on each group. Whatever kernel,
-engine and score modifiers the call took compute it: a sink's share goes nowhere (its value
-is zero), appended ``bias_k`` / zero keys take theirs (their group columns are zero), dead
-rows give zero. No weight is formed here.
+math") with the keys' one-hot groups as values (the same for every key head): a query's
+output row is its weight on each group, from the call's own kernel, engine and score
+modifiers; a sink's share and that of appended ``bias_k`` / zero keys go nowhere (their
+group columns are zero), dead rows give zero. No weight is formed here.
 
-One pass where it can: the module's attention step (``_attention``, on head-split q, k, v)
-of a padded call without dropout takes the values widened by the groups, ``[v | groups]``
-per key head (M <= e columns more), so the scores and the softmax are formed once; its
-first ``e`` output columns go on to ``out_proj`` as the call's own output (the kernels take
-a value width of its own: :func:`mmattn.kernels.dense.one_width`; the first ``e`` columns
-are those of the narrow call within float rounding) and the rest are the mass. Where the
-step is not taken that way (packed calls, dropout, more groups than ``e``, a layer that
-attends outside ``_attention``, a kernel that refuses the width), the module runs the call
-once more when it returns: its recorded q and k, the groups as values (``e`` groups at a
-time, padded with zero columns), eval mode (no dropout), ``bias_v`` zero.
+One pass where it can: the attention step (``_attention``, head-split q, k, v) of a padded
+call without dropout takes ``[v | groups]`` per key head (M <= e columns more; the kernels
+take a value width of its own, :func:`mmattn.kernels.dense.one_width`); its first ``e``
+output columns go on to ``out_proj`` (those of the narrow call within float rounding), the
+rest are the mass. Elsewhere (packed calls, dropout, more groups than ``e``, a layer that
+attends outside ``_attention``, a kernel that refuses the width) the module runs the call
+again when it returns: the recorded ``q_proj`` / ``k_proj`` outputs, the groups as values
+(``e`` at a time, zero columns after), eval mode, ``bias_v`` zero.
 
-Top keys need the scores themselves: a kernel path listener receives each kernel report of
-the call, asks that kernel for the weights of its tiles
+Top keys: a kernel path listener hands each kernel report of the call back to its kernel
 (:func:`mmattn.kernels._report_tiles.weight_tiles`) and keeps the best keys of each row
 (:class:`~._mass_tally.Tally`).
 """
