@@ -5,31 +5,26 @@ Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``d`` mo
 ``e`` head width, ``M`` groups.
 
 A :class:`Session` puts hooks on the model: every module's forward pre-hook notes the
-:class:`~mmattn.tokens.Tokens` it was given (so an attention call finds the Tokens, and
-their modality facts, of its block), and every mmattn attention module's forward (and its
-``attend_rows``, which blocks call for packed Tokens) opens a :class:`Call`, which keeps how
-to run that call again and the outputs of its ``q_proj`` and ``k_proj``.
+:class:`~mmattn.tokens.Tokens` it was given (an attention call finds the Tokens, and their
+modality facts, of its block), and every mmattn attention module's forward (and its
+``attend_rows``, which blocks call for packed Tokens) opens a :class:`Call`.
 
 The mass of a call is an attention call (DESIGN, "One implementation of each kernel's
-math"): the layer's kernel runs with the one-hot groups of the keys as values (the same for
-every key head), so a query's output row is its weight on each group. Whatever kernel,
-engine and score modifiers the call took compute it: a sink's share goes nowhere (its value
-is zero), appended ``bias_k`` / zero keys take theirs (their group columns are zero), dead
-rows give zero. No weight is formed here.
+math") with the keys' one-hot groups as values (the same for every key head): a query's
+output row is its weight on each group, from the call's own kernel, engine and score
+modifiers; a sink's share and that of appended ``bias_k`` / zero keys go nowhere (their
+group columns are zero), dead rows give zero. No weight is formed here.
 
-One pass where it can: the module's attention step (``_attention``, on head-split q, k, v)
-of a padded call without dropout takes the values widened by the groups, ``[v | groups]``
-per key head (M <= e columns more), so the scores and the softmax are formed once; its
-first ``e`` output columns go on to ``out_proj`` as the call's own output (the kernels take
-a value width of its own: :func:`mmattn.kernels.dense.one_width`; the first ``e`` columns
-are those of the narrow call within float rounding) and the rest are the mass. Where the
-step is not taken that way (packed calls, dropout, more groups than ``e``, a layer that
-attends outside ``_attention``, a kernel that refuses the width), the module runs the call
-once more when it returns: its recorded q and k, the groups as values (``e`` groups at a
-time, padded with zero columns), eval mode (no dropout), ``bias_v`` zero.
+One pass where it can: the attention step (``_attention``, head-split q, k, v) of a padded
+call without dropout takes ``[v | groups]`` per key head (M <= e columns more; the kernels
+take a value width of its own, :func:`mmattn.kernels.dense.one_width`); its first ``e``
+output columns go on to ``out_proj`` (those of the narrow call within float rounding), the
+rest are the mass. Elsewhere (packed calls, dropout, more groups than ``e``, a layer that
+attends outside ``_attention``, a kernel that refuses the width) the module runs the call
+again when it returns: the recorded ``q_proj`` / ``k_proj`` outputs, the groups as values
+(``e`` at a time, zero columns after), eval mode, ``bias_v`` zero.
 
-Top keys need the scores themselves: a kernel path listener receives each kernel report of
-the call, asks that kernel for the weights of its tiles
+Top keys: a kernel path listener hands each kernel report of the call back to its kernel
 (:func:`mmattn.kernels._report_tiles.weight_tiles`) and keeps the best keys of each row
 (:class:`~._mass_tally.Tally`).
 """
@@ -37,8 +32,7 @@ the call, asks that kernel for the weights of its tiles
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,17 +67,6 @@ class Call:
     one_pass: bool = False  # the attention step may take the groups with the values
     steps: int = 0  # attention steps of the call (one pass counts only with exactly one)
 
-    def counts(self) -> Tensor:
-        """(M,) real query tokens of every group."""
-        real = torch.where(self.layout.real, self.group, -1)
-        return torch.bincount(real[real >= 0], minlength=len(self.names))
-
-
-def _padded_form(packed: Layout, padded: Layout) -> bool:
-    """Whether ``padded`` (from a padded query) is the unpacked form of ``packed``."""
-    return (packed.batch, packed.length) == (padded.batch, padded.length) and bool(
-        torch.equal(padded.offsets.cpu(), torch.arange(padded.batch + 1) * padded.length))
-
 
 def _as_padded(packed: Layout, groups):
     """The padded layout of packed tokens (item b's tokens first in row b), and their groups
@@ -96,13 +79,6 @@ def _as_padded(packed: Layout, groups):
     moved = torch.full_like(layout.pos, -1)
     moved[packed.item * packed.length + packed.pos] = group
     return layout, (names, moved)
-
-
-def _first_tokens(args: tuple, kwargs: dict) -> Tokens | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tokens):
-            return value
-    return None
 
 
 class Session:
@@ -130,12 +106,12 @@ class Session:
         except Unsupported as why:
             call.skip = str(why)
             return
-        as_input, dtype = _input_form(module, query, offsets), query.dtype
+        # a padded query: its layout is padded too (the Tokens matched, or moved there)
         call.one_pass = (self.by is not None and offsets is None and not is_jagged(query)
-                         and bool(torch.equal(call.layout.offsets.cpu(), torch.arange(
-                             call.layout.batch + 1) * call.layout.length))
                          and 0 < len(call.names) <= module.head_dim)
-        call.rerun = None if rerun is None else (lambda rows: rerun(as_input(rows.to(dtype))))
+        if rerun is not None:
+            as_input, dtype = _input_form(module, query, offsets), query.dtype
+            call.rerun = lambda rows: rerun(as_input(rows.to(dtype)))
 
     def _prepare(self, call: Call, module: nn.Module, query: Any, self_attention: bool,
                  key_padding_mask: Tensor | None, offsets: Tensor | None, cached: bool) -> None:
@@ -168,9 +144,10 @@ class Session:
         if tokens is not None:
             layout = self._layout(tokens)
             groups = self._groups(tokens, layout)
-        else:  # packed Tokens a block runs padded (a pattern's block-sparse kernel)
+        elif offsets is None and not is_jagged(query):  # packed Tokens a block runs padded
+            size = (layout.batch, layout.length)  # (a pattern's block-sparse kernel)
             tokens = next((t for t in reversed(self.tokens) if t is not None and t.is_packed
-                           and _padded_form(self._layout(t), layout)), None)
+                           and (self._layout(t).batch, self._layout(t).length) == size), None)
             if tokens is not None:
                 packed = self._layout(tokens)
                 found = self._groups(tokens, packed)
@@ -289,17 +266,9 @@ class Session:
             captured.append(x)
             return x
 
+        # projections swapped, eval mode (no dropout), ``bias_v`` zero, no hook of ours
         swaps = {module.q_proj: recorded("q"), module.k_proj: recorded("k"),
                  module.v_proj: values, module.out_proj: out}
-        with self._second_run(module, swaps):
-            call.rerun(rows)
-        if not captured:
-            raise Unsupported("the second run did not reach out_proj")
-        return captured[-1]
-
-    @contextmanager
-    def _second_run(self, module: nn.Module, swaps: dict) -> Iterator[None]:
-        """Projections swapped, eval mode (no dropout), ``bias_v`` zero, no hook of ours."""
         training, bias_v = module.training, getattr(module, "bias_v", None)
         saved = None if bias_v is None else bias_v.data
         for proj, forward in swaps.items():
@@ -308,13 +277,16 @@ class Session:
         if bias_v is not None:
             bias_v.data = torch.zeros_like(saved)
         try:
-            yield
+            call.rerun(rows)
         finally:
             for proj in swaps:
                 del proj.forward
             module.training, self.replaying = training, False
             if bias_v is not None:
                 bias_v.data = saved
+        if not captured:
+            raise Unsupported("the second run did not reach out_proj")
+        return captured[-1]
 
     # -------------------------------------------------------------- reports
 
@@ -342,7 +314,8 @@ class Session:
 
         def push(module, args, kwargs):
             if not self.replaying:
-                self.tokens.append(_first_tokens(args, kwargs))
+                self.tokens.append(next((value for value in (*args, *kwargs.values())
+                                         if isinstance(value, Tokens)), None))
 
         def pop(module, args, kwargs, output):
             if self.tokens and not self.replaying:

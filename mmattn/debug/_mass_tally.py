@@ -118,25 +118,14 @@ class Tally:
 
 
 def _best(key: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k largest of every row, best first, ties to the lower column (columns in index
-    order): k passes of ``max`` (which returns the first maximum) for small k, else topk
-    with the ties at the k-th value settled by column."""
-    if k <= 16:
-        key = key.clone()
-        values, at = [], []
-        for _ in range(k):
-            value, index = key.max(dim=-1, keepdim=True)
-            values.append(value)
-            at.append(index)
-            key.scatter_(-1, index, -2.0)  # below every weight and every "no key" (-1)
-        return torch.cat(values, dim=-1), torch.cat(at, dim=-1)
-    kth = key.topk(k, dim=-1).values[..., -1:]
-    above, tied = key > kth, key == kth
-    need = k - above.sum(dim=-1, keepdim=True)
-    chosen = above | (tied & (tied.cumsum(dim=-1) <= need))  # exactly k a row
-    at = chosen.nonzero(as_tuple=True)[-1].view(*key.shape[:-1], k)  # ascending
-    values, order = key.gather(-1, at).sort(dim=-1, descending=True, stable=True)
-    return values, at.gather(-1, order)
+    """The k largest of every row (float32), best first, ties to the lower column (columns
+    in index order); a row's entries <= 0 rank below every weight. One ``topk`` of int64
+    keys that hold the weight's bits (a nonnegative float32's bits keep its order) above
+    the reversed column, so no two keys tie."""
+    last = key.shape[-1] - 1
+    bits = key.float().clamp(min=0).view(torch.int32).long()
+    top = ((bits << 32) | (last - torch.arange(last + 1, device=key.device))).topk(k).values
+    return (top >> 32).int().view(torch.float32), last - (top & 0xFFFFFFFF)
 
 
 def _ascending(k_tok: Tensor) -> bool:

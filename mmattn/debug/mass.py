@@ -5,16 +5,9 @@ Axis key: ``c`` attention calls, ``b`` batch, ``h`` heads, ``l`` query positions
 ``n`` query / key groups (modalities or segments), ``k`` top keys.
 
 Both functions run the model once and record its attention calls
-(:mod:`mmattn.debug._mass_calls`). The mass of a call is an attention call with the keys'
-one-hot groups as values, so each query's output row is its weight on each group, from
-the layer's own kernel, engine and score modifiers: in the call itself where its attention
-step takes ``[v | groups]`` (one pass; the model's outputs within float rounding), else
-in a second run of the layer with its recorded q and k (outputs bit for bit). The top
-keys need the scores: every kernel reports the tensors it attends with
-(:func:`mmattn.kernels.dense.add_listener`), and their weights are formed tile by tile
-through the kernels' explicit path, keeping the k best keys of each row. No (L, L) tensor
-is formed, and top_keys leaves the model's run as it is (its outputs are bit for bit the
-same: nothing is asked of it, no weights, no other path).
+(:mod:`mmattn.debug._mass_calls`, which says how each is measured). The mass of a call is
+an attention call with the keys' one-hot groups as values, on the layer's own kernel; the
+top keys come from each kernel's weight tiles, k best keys a row. No (L, L) tensor is formed.
 """
 
 from __future__ import annotations
@@ -151,12 +144,11 @@ def attention_mass(
     or packed; cross-attention, decoding steps (``cache=``), Linformer's projected slots and
     calls whose Tokens carry no modality facts are listed in ``.skipped``. The groups join
     the values of the call's attention step (one pass: padded calls without dropout, at
-    most ``head_dim`` groups; the model's outputs are the same within float rounding), or
-    else the call is run once more by its layer with the groups as values (outputs bit for
-    bit the same). Memory: the layer's own, never (L, L); the weights are those before
-    dropout. ``model`` may also be a single
-    attention layer: it is then called on ``tokens.x`` with the Tokens' key padding and
-    geometry (``grid``, ``edge_index``).
+    most ``head_dim`` groups; outputs the same within float rounding), or else the layer
+    runs the call once more with the groups as values (outputs bit for bit the same).
+    Memory: the layer's own, never (L, L); the weights are those before dropout. ``model``
+    may also be a single attention layer, called on ``tokens.x`` with the Tokens' key
+    padding and geometry (``grid``, ``edge_index``).
 
     Args:
         model: the model (or an attention layer).
@@ -197,7 +189,8 @@ def attention_mass(
     counts = torch.zeros(len(session.calls), len(names), dtype=torch.long)
     for c, call in enumerate(session.calls):
         index = torch.tensor([names.index(n) for n in call.names], dtype=torch.long)
-        sums, count = call.sums.cpu(), call.counts().cpu()
+        real = torch.where(call.layout.real, call.group, -1).cpu()
+        sums, count = call.sums.cpu(), torch.bincount(real[real >= 0], minlength=len(index))
         mean = (sums / count[None, :, None]).float()  # NaN (0 / 0) where no query of a group
         table[c][:sums.shape[0], index[:, None], index[None, :]] = mean
         counts[c, index] = count

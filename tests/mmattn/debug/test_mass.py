@@ -212,7 +212,7 @@ def test_top_keys_equal_topk_of_the_dense_weights(name):
     assert (found.indices[0, 1, :, 4:6] == -1).all()  # padded queries: nothing
 
 
-@pytest.mark.parametrize("k", [3, 20])  # passes of max, and topk (k > 16)
+@pytest.mark.parametrize("k", [3, 20])  # a few keys, and most of the 25
 def test_top_keys_ties_go_to_the_lower_key_index(k):
     layer = MultiHeadAttention(D, H).eval()
     tokens = Tokens(torch.randn(1, 25, D))
