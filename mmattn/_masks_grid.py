@@ -20,15 +20,32 @@ from mmattn._checks import (
 __all__ = ["neighborhood_mask"]
 
 
+def axis_window(
+    p: Tensor, n: Tensor | int, k: int, d: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Along an axis of ``n`` positions, position ``p``'s window (NATTEN): (sub, idx, start,
+    stop). Position ``s`` is in it iff ``s % d == sub`` and ``start <= s // d < stop``.
+
+    ``p`` belongs to the subgrid {q : q = p mod d} of size m (``idx`` = p // d its place
+    there); its window is min(k, m) consecutive subgrid positions centred on p and shifted
+    inward at the borders. The one statement of the rule: the dense reference below, the
+    patterns' ``P.neighborhood`` and the flex engine's mask_mod all read it.
+
+    Shape:
+        - p: any integer tensor; n: an int or broadcastable to p; returns four like p
+    """
+    sub, idx = p % d, p // d
+    size = (n - sub + d - 1) // d
+    width = torch.clamp(size, max=k)
+    start = torch.minimum(torch.clamp(idx - width // 2, min=0), size - width)
+    return sub, idx, start, start + width
+
+
 def _axis_allowed(n: int, k: int, d: int, device) -> Tensor:
     """(n, n) bool: along one axis of ``n`` positions, position p may attend position q."""
-    p = torch.arange(n, device=device)
-    sub, idx = p % d, p // d
-    size = (n - sub + d - 1) // d  # the size m of p's subgrid {q : q = p mod d}
-    width = torch.clamp(size, max=k)  # min(k, m) keys, shifted inward at the borders
-    start = torch.minimum((idx - width // 2).clamp(min=0), size - width)
+    sub, idx, start, stop = axis_window(torch.arange(n, device=device), n, k, d)
     same = sub[:, None] == sub[None, :]
-    inside = (idx[None, :] >= start[:, None]) & (idx[None, :] < (start + width)[:, None])
+    inside = (idx[None, :] >= start[:, None]) & (idx[None, :] < stop[:, None])
     return same & inside
 
 

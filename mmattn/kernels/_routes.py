@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from mmattn._helpers import ceil_div, exporting
+from mmattn._masks_grid import axis_window
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels import engines
 from mmattn.kernels.modifiers import Modifiers
@@ -249,25 +250,14 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
     return out, choice
 
 
-def _axis_tables(n: int, k: int, d: int, device: torch.device) -> tuple[Tensor, ...]:
-    """Along one grid axis of ``n`` positions: each position's subgrid (p mod d), index in
-    it, window start and width (NATTEN's clamped window, as ``masks.neighborhood_mask``)."""
-    p = torch.arange(n, device=device)
-    sub, idx = p % d, p // d
-    size = (n - sub + d - 1) // d
-    width = torch.clamp(size, max=k)
-    start = torch.minimum((idx - width // 2).clamp(min=0), size - width)
-    return sub, idx, start, width
-
-
 def window_mask_mod(grid: tuple[int, int], kernel: tuple[int, int], dilation: tuple[int, int],
                     first: int, device: torch.device) -> Callable:
     """NeighborhoodAttention's rule as a mask_mod: the grid's tokens are ``first ..
     first + rows·cols − 1`` (row-major), every other token is global. Pure indexing into
     per-axis tables built here."""
     (rows, cols), (kh, kw), (dh, dw) = grid, kernel, dilation
-    rsub, ridx, rstart, rwidth = _axis_tables(rows, kh, dh, device)
-    csub, cidx, cstart, cwidth = _axis_tables(cols, kw, dw, device)
+    rsub, ridx, rstart, rstop = axis_window(torch.arange(rows, device=device), rows, kh, dh)
+    csub, cidx, cstart, cstop = axis_window(torch.arange(cols, device=device), cols, kw, dw)
     lo = torch.tensor(first, device=device)
     hi = torch.tensor(first + rows * cols, device=device)
     width = torch.tensor(cols, device=device)
@@ -277,10 +267,8 @@ def window_mask_mod(grid: tuple[int, int], kernel: tuple[int, int], dilation: tu
         tq = torch.minimum((q_idx - lo).clamp(min=0), last)  # (a tensor bound: no .item())
         tk = torch.minimum((kv_idx - lo).clamp(min=0), last)
         rq, cq, rk, ck = tq // width, tq % width, tk // width, tk % width
-        row = (rsub[rq] == rsub[rk]) & (ridx[rk] >= rstart[rq]) & \
-            (ridx[rk] < rstart[rq] + rwidth[rq])
-        col = (csub[cq] == csub[ck]) & (cidx[ck] >= cstart[cq]) & \
-            (cidx[ck] < cstart[cq] + cwidth[cq])
+        row = (rsub[rq] == rsub[rk]) & (ridx[rk] >= rstart[rq]) & (ridx[rk] < rstop[rq])
+        col = (csub[cq] == csub[ck]) & (cidx[ck] >= cstart[cq]) & (cidx[ck] < cstop[cq])
         outside = (q_idx < lo) | (q_idx >= hi) | (kv_idx < lo) | (kv_idx >= hi)
         return outside | (row & col)
 

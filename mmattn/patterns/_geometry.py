@@ -14,26 +14,12 @@ import torch
 from torch import Tensor
 
 from mmattn import _checks as checks
+from mmattn._masks_grid import axis_window
 from mmattn.patterns._attributes import Modality, _names
 from mmattn.patterns._base import Bound, Pattern
 from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, q_axis
 
 __all__ = ["neighborhood", "edges"]
-
-
-def axis_window(p: Tensor, n: Tensor, k: int, d: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Along an axis of ``n`` positions, position ``p``'s window (NATTEN): (sub, idx, start,
-    stop). Position ``s`` is in it iff ``s % d == sub`` and ``start <= s // d < stop``.
-
-    ``p`` belongs to the subgrid {q : q = p mod d} of size m (``idx`` = p // d its place
-    there); its window is min(k, m) consecutive subgrid positions centred on p and shifted
-    inward at the borders.
-    """
-    sub, idx = p % d, p // d
-    size = (n - sub + d - 1) // d
-    width = torch.clamp(size, max=k)
-    start = torch.minimum(torch.clamp(idx - width // 2, min=0), size - width)
-    return sub, idx, start, start + width
 
 
 def _within(q_lo: Tensor, q_hi: Tensor, k_lo: Tensor, k_hi: Tensor, reach: int) -> Tensor:
