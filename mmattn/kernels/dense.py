@@ -289,7 +289,6 @@ def weights_dtype(v: Tensor) -> torch.dtype:
     return torch.softmax(v.new_empty(0), dim=-1).dtype
 
 
-
 def softmax_attend(
     scores: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
     sinks: Tensor | None = None,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mmattn.kernels.modifiers import Modifiers
+from mmattn.kernels.modifiers import Modifiers, join_sink
 
 __all__ = ["compiled", "flex_attend", "key_bias", "score_mod"]
 
@@ -161,5 +161,5 @@ def flex_attend(
     if sinks is None:
         return out
     out, lse = out
-    keep = torch.sigmoid(lse.float() - sinks.float()[:, None])  # σ(ℓ − σ_h), (b, h, l)
+    keep, _ = join_sink(lse.float(), sinks.float()[:, None])  # σ(ℓ − σ_h), (b, h, l)
     return out * keep[..., None].to(out.dtype)
