@@ -36,6 +36,16 @@ def _seed() -> None:
 LONGEST_FILE = "test_compile_inductor.py"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread spares thread start-up and contention (restored
+    after the module). Files use it with ``pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def fused_only():
     """Pins the fused path on (the engines run on it only). A file that uses it is also

@@ -20,13 +20,8 @@ pytest.importorskip("torchaudio")
 SR, MELS, D = 8000, 16, 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread spares thread start-up and contention (restored)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+#: Tiny tensors: one intra-op thread (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _audio(n_fft=128, hop=32, **kw) -> AudioFrameEmbedder:

@@ -153,3 +153,14 @@ def patterns() -> dict:
         "chunked": P.chunked(3, left=1),
         "chunked-right": P.chunked(2, right=1),
     }
+
+
+def per_modality_pattern() -> P.Pattern:
+    """The per-modality pattern of the flex and BlockMask tests: every primitive but
+    ``same`` and ``chunked`` (causal text, image neighbourhood, graph edges, audio window)
+    and ``&``, ``|``, ``~`` through :func:`P.per_modality`, text <-> everything across."""
+    return P.per_modality(
+        within={"text": P.causal(), "image": P.neighborhood(3), "graph": P.edges(),
+                "audio": P.window(2)},
+        across=P.modality(query="text") | P.modality(key="text"),
+    )

@@ -10,7 +10,7 @@ import torch
 
 from mmattn import Tokens
 from mmattn import patterns as P
-from tests.mmattn._pattern_cases import fused_tokens
+from tests.mmattn._pattern_cases import fused_tokens, per_modality_pattern
 from tests.mmattn.test_patterns_compile import LargeAllocations, long_fused
 from tests.mmattn.test_patterns_mask_mod import HostReads
 
@@ -20,11 +20,7 @@ pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = pytest.mark.pins_path
 
 FUSED = fused_tokens()
-PER_MODALITY = P.per_modality(
-    within={"text": P.causal(), "image": P.neighborhood(3), "graph": P.edges(),
-            "audio": P.window(2)},
-    across=P.modality(query="text") | P.modality(key="text"),
-)
+PER_MODALITY = per_modality_pattern()
 
 
 def tiles_per_row(tiles: torch.Tensor, batch: int, n: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmattn import patterns as P
-from tests.mmattn._pattern_cases import fused_tokens, patterns
+from tests.mmattn._pattern_cases import fused_tokens, patterns, per_modality_pattern
 
 flex_module = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -32,11 +32,7 @@ HEADS, WIDTH = 2, 16
 #: to build when the block size changes); each mask_mod is one more graph.
 FLEX = torch.compile(flex_module.flex_attention, dynamic=False)
 
-PER_MODALITY = P.per_modality(
-    within={"text": P.causal(), "image": P.neighborhood(3), "graph": P.edges(),
-            "audio": P.window(2)},
-    across=P.modality(query="text") | P.modality(key="text"),
-)
+PER_MODALITY = per_modality_pattern()
 CASES = {
     **patterns(),
     "modality-query": P.modality(query="text"),

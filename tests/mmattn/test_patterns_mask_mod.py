@@ -10,18 +10,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmattn import Tokens
 from mmattn import patterns as P
-from tests.mmattn._pattern_cases import fused_tokens, interleaved_tokens, patterns
+from tests.mmattn._pattern_cases import (
+    fused_tokens,
+    interleaved_tokens,
+    patterns,
+    per_modality_pattern,
+)
 from tests.mmattn.test_patterns_compile import long_fused
 
 #: No attention runs here: the MMATTN_FUSED_ATTN=0 pass would repeat these unchanged.
 pytestmark = pytest.mark.pins_path
 
 FUSED = fused_tokens()
-PER_MODALITY = P.per_modality(
-    within={"text": P.causal(), "image": P.neighborhood(3), "graph": P.edges(),
-            "audio": P.window(2)},
-    across=P.modality(query="text") | P.modality(key="text"),
-)
+PER_MODALITY = per_modality_pattern()
 CASES = {
     **patterns(),
     "neighborhood-modality": P.neighborhood(3, modality="image"),

@@ -27,16 +27,8 @@ from tests.mmattn.integrations.test_export_stream import (  # noqa: E402
 )
 
 # ONNX Runtime round trips: seconds each; the fused pass of `make test` runs them.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread spares thread start-up and contention (restored)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

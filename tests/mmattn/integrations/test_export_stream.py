@@ -19,13 +19,8 @@ from mmattn.integrations.export import ChunkStep
 CHUNK, LEFT, D, CHUNKS = 4, 2, 16, 50
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread spares thread start-up and contention (restored)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+#: Tiny tensors: one intra-op thread (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _Chunked:
