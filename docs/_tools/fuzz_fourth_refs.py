@@ -278,6 +278,13 @@ def allowed_of(scene, rule):
                         dtype=torch.bool).reshape(scene.batch, n, n)
 
 
+def chunk_rule(n, chunk, left):
+    """(n, n) bool: P.chunked(chunk, left=left) from position 0 (docs/streaming.md): key k
+    is allowed to query q iff q // chunk - left <= k // chunk <= q // chunk."""
+    return torch.tensor([[q // chunk - left <= k // chunk <= q // chunk for k in range(n)]
+                         for q in range(n)], dtype=torch.bool)
+
+
 def random_modifiers(fuzz):
     r = fuzz.rng
     return {"sinks": r.random() < 0.4, "softcap": r.choice([None, None, 0.5, 5.0]),

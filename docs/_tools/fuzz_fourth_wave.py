@@ -37,6 +37,7 @@ from fuzz_fourth_refs import (  # noqa: E402
     Scene,
     allowed_of,
     block_ref,
+    chunk_rule,
     layer_ref,
     random_modifiers,
     random_pattern,
@@ -316,8 +317,7 @@ class FourthWave:
         pad = torch.zeros(b, n, dtype=torch.bool)
         if b > 1 and n > 1 and r.random() < 0.5:
             pad[1, r.randint(1, n - 1):] = True
-        rule = torch.tensor([[q // c - left <= k // c <= q // c for k in range(n)]
-                             for q in range(n)], dtype=torch.bool)
+        rule = chunk_rule(n, c, left)
         allowed = rule[None, None] & (~pad)[:, None, None, :] & (~pad)[:, None, :, None]
 
         def stream():
@@ -395,8 +395,7 @@ class FourthWave:
         real = torch.ones(b, n, dtype=torch.bool)
         if b > 1 and n > 1 and r.random() < 0.5:
             real[1, r.randint(1, n - 1):] = False
-        rule = torch.tensor([[q // c - left <= k // c <= q // c for k in range(n)]
-                             for q in range(n)], dtype=torch.bool)
+        rule = chunk_rule(n, c, left)
         allowed = rule[None, None] & real[:, None, None, :] & real[:, None, :, None]
         weight = real.double()
 
