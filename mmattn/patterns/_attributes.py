@@ -18,6 +18,7 @@ from mmattn import _checks as checks
 from mmattn.patterns._base import Bound, Pattern
 from mmattn.patterns._context import Chunk, Rule, Tiles, TokenContext, k_axis, q_axis
 from mmattn.patterns._positions import Full
+from mmattn.patterns._segments import SegmentForm
 
 __all__ = ["same", "modality", "per_modality", "runs"]
 
@@ -52,6 +53,9 @@ class Same(Pattern):
         single = (lo == hi) & (lo >= 0)
         must = (q_axis(lo) == k_axis(lo)) & q_axis(single) & k_axis(single)
         return may, must
+
+    def segment_form(self, ctx: TokenContext) -> SegmentForm:
+        return SegmentForm(ids=self.ids(ctx))
 
     def __repr__(self) -> str:
         return f"same({self.key!r})"

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from mmattn.patterns._context import Bound, Chunk, Rule, Tiles, TokenContext, with_padding
+from mmattn.patterns._segments import SegmentForm
 from mmattn.patterns._sparse_mask import SparseMask, compile_pattern
 from mmattn.tokens import Tokens
 
@@ -100,6 +101,11 @@ class Pattern:
     def children(self, ctx: TokenContext) -> tuple[Pattern, ...]:
         """The patterns this one is made of (none for a primitive)."""
         return ()
+
+    def segment_form(self, ctx: TokenContext) -> SegmentForm | None:
+        """This pattern as segment-wise attention (segment ids, causal, a window) for the
+        varlen engine (``patterns/_segments.py``), or None (the default: it is not)."""
+        return None
 
     def skip_checks(self) -> tuple[tuple[Pattern, bool], ...]:
         """The (part, must) decisions :meth:`tile_rule` asks ``chunk.decided`` for."""
@@ -231,6 +237,10 @@ class And(Pattern):
 
     def skip_checks(self) -> tuple[tuple[Pattern, bool], ...]:
         return tuple((part, True) for part in self.parts)
+
+    def segment_form(self, ctx: TokenContext) -> SegmentForm | None:
+        first, second = (p.segment_form(ctx) for p in self.parts)
+        return None if first is None else first.join(second)
 
     def __repr__(self) -> str:
         return f"({self.parts[0]!r} & {self.parts[1]!r})"

@@ -14,6 +14,7 @@ from torch import Tensor
 from mmattn import _checks as checks
 from mmattn.patterns._base import Bound, Pattern
 from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._segments import SegmentForm
 
 __all__ = ["full", "causal", "window", "chunked"]
 
@@ -44,6 +45,9 @@ class Causal(Pattern):
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         return tiles.k_lo <= tiles.q_hi, tiles.k_hi <= tiles.q_lo
 
+    def segment_form(self, ctx: TokenContext) -> SegmentForm:
+        return SegmentForm(causal=True)
+
     def __repr__(self) -> str:
         return "causal()"
 
@@ -63,6 +67,9 @@ class Window(Pattern):
         may = (tiles.k_lo <= tiles.q_hi + w) & (tiles.q_lo <= tiles.k_hi + w)  # nearest <= w
         must = (tiles.q_hi - w <= tiles.k_lo) & (tiles.k_hi <= tiles.q_lo + w)  # farthest
         return may, must
+
+    def segment_form(self, ctx: TokenContext) -> SegmentForm:
+        return SegmentForm(window=self.w)
 
     def __repr__(self) -> str:
         return f"window({self.w})"
