@@ -22,6 +22,7 @@ from torch import nn
 from mmattn._chunk_cache import ChunkCache, check_no_look_ahead
 from mmattn._helpers import exporting
 from mmattn.attention._sparse import is_sparse_mask
+from mmattn.blocks._streaming import chunk_rule
 from mmattn.patterns import Pattern, SparseMask
 from mmattn.patterns import causal as causal_pattern
 from mmattn.tokens import Tokens
@@ -88,31 +89,27 @@ def block_forward(block: nn.Module, tokens: Tokens, attn_mask: Any, cache: Any) 
 
 def check_stream(block: nn.Module, cache: Any) -> None:
     """Raise unless ``cache`` streams ``block``'s pattern: a ChunkCache of its ``P.chunked``
-    rule (the same ``chunk`` and ``left``) on a non-causal block."""
+    rule (the same ``chunk`` and ``left``, :func:`~mmattn.blocks._streaming.chunk_rule`) on
+    a non-causal block."""
     pattern = block.pattern
-    if not all(hasattr(pattern, name) for name in ("chunk", "left", "right")):
-        raise ValueError(
-            f"cache= streams a block built with pattern=P.chunked(chunk, left=...) alone (a "
-            f"cache keeps the last left chunks; other patterns may attend anywhere), got "
-            f"pattern={pattern!r}"
-        )
+    chunk, left, right = chunk_rule(pattern, need="cache=")
     if block.causal:
         raise ValueError(
             "cache= with pattern=P.chunked(...) needs causal=False: a chunk cache attends "
             "each chunk both ways, the causal rule inside a chunk it does not keep"
         )
-    check_no_look_ahead(pattern.right)
+    check_no_look_ahead(right)
     if not isinstance(cache, ChunkCache):
         raise TypeError(
             f"cache must be a ChunkCache from block.attn.make_cache(batch_size, "
-            f"chunk={pattern.chunk}, left={pattern.left}) for pattern={pattern!r}, got "
+            f"chunk={chunk}, left={left}) for pattern={pattern!r}, got "
             f"{type(cache).__name__}"
         )
-    if (cache.chunk, cache.left) != (pattern.chunk, pattern.left):
+    if (cache.chunk, cache.left) != (chunk, left):
         raise ValueError(
             f"cache was made with chunk={cache.chunk}, left={cache.left}, but the block's "
             f"pattern is {pattern!r}; make it with block.attn.make_cache(batch_size, "
-            f"chunk={pattern.chunk}, left={pattern.left})"
+            f"chunk={chunk}, left={left})"
         )
 
 

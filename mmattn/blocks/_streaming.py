@@ -21,8 +21,9 @@ from mmattn.tokens import Tokens, check_tokens
 __all__ = ["StreamingEncoder", "chunk_rule"]
 
 
-def chunk_rule(pattern: object) -> tuple[int, int, int]:
-    """``(chunk, left, right)`` of a ``P.chunked`` pattern.
+def chunk_rule(pattern: object, need: str = "make_cache") -> tuple[int, int, int]:
+    """``(chunk, left, right)`` of a ``P.chunked`` pattern (``need`` names the caller in the
+    error: ``Encoder.make_cache``, or a block given ``cache=``).
 
     Raises:
         ValueError: no pattern, or one that is not a single ``P.chunked`` (a cache holds
@@ -35,8 +36,8 @@ def chunk_rule(pattern: object) -> tuple[int, int, int]:
         )
     if not all(hasattr(pattern, name) for name in ("chunk", "left", "right")):
         raise ValueError(
-            "make_cache needs pattern=P.chunked(chunk, left=...) alone (a cache keeps the "
-            f"last left chunks; other patterns may attend anywhere), got {pattern!r}"
+            f"{need} needs pattern=P.chunked(chunk, left=...) alone (a cache keeps the last "
+            f"left chunks; other patterns may attend anywhere), got pattern={pattern!r}"
         )
     return pattern.chunk, pattern.left, pattern.right
 
