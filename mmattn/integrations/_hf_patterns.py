@@ -43,6 +43,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mmattn import _checks as checks
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.blocked import local_attend
 from mmattn.kernels.modifiers import Modifiers
@@ -311,10 +312,6 @@ def score_modifiers(
                 f"{who}: s_aux (attention sinks) must be one logit per query head, shape "
                 f"({heads},), got {tuple(s_aux.shape)}"
             )
-        if s_aux.device != query.device:
-            raise ValueError(
-                f"{who}: s_aux (attention sinks) is on device {s_aux.device} but query is "
-                f"on device {query.device}"
-            )
+        checks.check_same_device(f"{who}: s_aux (attention sinks)", s_aux, "query", query)
     mods = Modifiers(sinks=s_aux, softcap=None if softcap is None else float(softcap))
     return mods if mods else None
