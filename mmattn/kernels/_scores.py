@@ -8,11 +8,24 @@ head, ``i`` query length, ``j`` key length, ``e`` head width.
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from einops import rearrange
 from torch import Tensor
+
+
+def default_scale(q: Tensor, scale: float | None) -> float:
+    """``scale``, or the default ``1 / sqrt(e)`` of q's head width (1 when e = 0): the one
+    default every kernel and engine uses.
+
+    Shape:
+        - q: (..., e)
+    """
+    if scale is not None:
+        return scale
+    return 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
 
 
 def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:

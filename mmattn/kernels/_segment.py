@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmattn.kernels._scores import default_scale
 from mmattn.kernels.dense import explicit_reasons, report, reporting, use_fused_attn
 
 
@@ -104,12 +105,6 @@ def explicit_attend(
 def acc_dtype(q: Tensor) -> torch.dtype:
     """The dtype scores and sums are kept in: float32, or float64 for double inputs."""
     return torch.promote_types(q.dtype, torch.float32)
-
-
-def default_scale(q: Tensor, scale: float | None) -> float:
-    if scale is not None:
-        return scale
-    return 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
 
 
 def _sparse_csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:

@@ -29,8 +29,7 @@ import torch
 from torch import Tensor
 
 from mmattn.kernels import dense as _dense
-from mmattn.kernels._scores import additive_scores
-from mmattn.kernels._segment import default_scale
+from mmattn.kernels._scores import additive_scores, default_scale
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
 #: At most this many scores in one tile (blocks of rows are cut to fit).

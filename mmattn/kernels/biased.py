@@ -24,11 +24,10 @@ memory-efficient kernel takes the bias and its gradient).
 
 from __future__ import annotations
 
-import math
-
 from torch import Tensor
 
 from mmattn.kernels import dense as _dense
+from mmattn.kernels._scores import default_scale
 from mmattn.kernels.dense import dot_scores, report, reporting, sdpa, softmax_attend
 
 __all__ = ["biased_attend"]
@@ -68,8 +67,7 @@ def biased_attend(
           (..., h, i, j)
         - returns: (..., h, i, e_v) and the weights (..., h, i, j) or None
     """
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    scale = default_scale(q, scale)
     reasons = _dense.explicit_reasons(need_weights)
     if fused is None:
         if not reasons and q.device.type == "cpu":

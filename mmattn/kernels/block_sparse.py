@@ -34,7 +34,6 @@ explicit path, tile by tile.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -53,7 +52,7 @@ from mmattn.kernels._block_sparse_plan import (  # noqa: F401 (the plan's names,
     bucketize,
     plan_tiles,
 )
-from mmattn.kernels._segment import default_scale
+from mmattn.kernels._scores import default_scale
 from mmattn.kernels._tiles import Tile, acc, modifiers_of, split_mask
 from mmattn.kernels.modifiers import FLASH_DTYPES, Modifiers
 
@@ -105,8 +104,7 @@ def attend(
     """
     _check_modifiers(modifiers)
     mods = modifiers if modifiers else None
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    scale = default_scale(q, scale)
     explicit = need_weights or not _dense.use_fused_attn() or (mods is not None and mods.explicit)
     call = Call.of(key_mask, is_causal, plan.padded, dropout_p, scale, groups, mods)
     path = choose_path(q, v, explicit, dropout_p, call.key_add)

@@ -37,7 +37,7 @@ from torch import Tensor
 from mmattn._helpers import ceil_div, exporting, surely
 from mmattn.kernels import _inputs, _routes
 from mmattn.kernels import dense as _kernel
-from mmattn.kernels._segment import default_scale
+from mmattn.kernels._scores import default_scale
 from mmattn.kernels._tiles import Tile, modifiers_of, split_mask
 from mmattn.kernels.dense import attend
 from mmattn.kernels.modifiers import Modifiers, with_bias

@@ -27,7 +27,6 @@ every attention call: which path ran and why. With no listener the cost is one l
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +41,7 @@ from mmattn._checks import autocast_on
 from mmattn._helpers import exporting
 from mmattn.kernels import _inputs
 from mmattn.kernels import modifiers as _mods
-from mmattn.kernels._scores import dot_scores, group_mask
+from mmattn.kernels._scores import default_scale, dot_scores, group_mask
 from mmattn.kernels.modifiers import Modifiers
 from mmattn.masks import causal_mask
 
@@ -247,8 +246,7 @@ def one_width(
           columns), and the scale (default ``1 / sqrt(e)``)
     """
     width, value_width = q.shape[-1], v.shape[-1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(width) if width else 1.0
+    scale = default_scale(q, scale)
     if value_width > width:
         q, k = F.pad(q, (0, value_width - width)), F.pad(k, (0, value_width - width))
     else:
@@ -415,8 +413,7 @@ def attend(
         - returns: (b, h, i, e_v) and weights (b, h, i, j) or None
     """
     _inputs.check_attention(q, k, v, mask)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    scale = default_scale(q, scale)
     groups = num_groups(q, k, groups)
     mods = modifiers if modifiers else None
     explicit = need_weights or not _FUSED_ATTN or (mods is not None and mods.explicit)

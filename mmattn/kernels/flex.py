@@ -24,12 +24,12 @@ the forward alone and without the logsumexp, so a CPU call with sinks runs flex 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from mmattn.kernels._scores import default_scale
 from mmattn.kernels.modifiers import Modifiers, join_sink
 
 __all__ = ["compiled", "flex_attend", "key_bias", "score_mod"]
@@ -151,7 +151,7 @@ def flex_attend(
         k = torch.where(seen[:, None, :, None], k, 0.0)
         v = torch.where(seen[:, None, :, None], v, 0.0)
     mod = score_mod(softcap, slopes, rows, cols, flat, key_bias(key_mask), causal)
-    scale = (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0) if scale is None else scale
+    scale = default_scale(q, scale)
     sinks = None if mods is None else mods.sinks
     run = compiled(q.device.type)
     if sinks is not None and q.device.type == "cpu":  # no compiled CPU logsumexp: eager flex

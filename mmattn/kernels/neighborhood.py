@@ -54,7 +54,7 @@ from mmattn.kernels._neighborhood_plan import (
     merge_key_mask,
 )
 from mmattn.kernels._neighborhood_terms import grid_coords, pair_terms
-from mmattn.kernels._segment import default_scale
+from mmattn.kernels._scores import default_scale
 from mmattn.kernels._tiles import (
     TILE_ELEMENTS,
     Tile,

@@ -17,12 +17,13 @@ tested on the CPU against hand-computed values:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from mmattn.kernels._scores import default_scale
 
 __all__ = [
     "Runs", "offsets", "row_offsets", "runs", "segment_runs", "varlen_attend", "window_size",
@@ -135,7 +136,7 @@ def packed_attend(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, m
     """
     if attend is None:
         from torch.nn.attention.varlen import varlen_attn as attend
-    scale = (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0) if scale is None else scale
+    scale = default_scale(q, scale)
     extra = {"enable_gqa": True} if groups > 1 else {}
     if window != (-1, -1):
         extra["window_size"] = window
