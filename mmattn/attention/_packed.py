@@ -21,6 +21,7 @@ from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._packed_checks import check_attn_mask, check_packed, check_values
 from mmattn.kernels import _routes
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels.dense import report_facts
 from mmattn.kernels.packed import (
     Bucket,
     contiguous_parts,
@@ -28,7 +29,6 @@ from mmattn.kernels.packed import (
     jagged_sdpa,
     layout,
     report,
-    report_facts,
 )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,18 +57,11 @@ def report(choice: engines.Choice, path: str, **facts_: Any) -> None:
                        kernel=path, **facts_)
 
 
-@contextlib.contextmanager
-def fallback_facts(choice: engines.Choice | None) -> Iterator[None]:
+def fallback_facts(choice: engines.Choice | None) -> contextlib.AbstractContextManager:
     """Inside: every report of the fallback kernel carries the engine "fallback" and why."""
     if choice is None or not _kernel.reporting():
-        yield
-        return
-    _kernel._FACTS.append({**_kernel._FACTS[-1], "engine": "fallback",
-                           "engine_reason": choice.reason})
-    try:
-        yield
-    finally:
-        _kernel._FACTS.pop()
+        return contextlib.nullcontext()
+    return _kernel.report_facts(engine="fallback", engine_reason=choice.reason)
 
 
 def block_mask(key: tuple, make_mod: Callable[[], Callable], length: int,

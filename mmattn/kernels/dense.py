@@ -74,7 +74,7 @@ def fused_attn(enable: bool) -> Iterator[None]:
 
 Listener = Callable[[dict[str, Any]], None]
 _LISTENERS: list[Listener] = []
-_FACTS: list[dict[str, Any]] = [{}]  # facts every report inside a call adds (packed.report_facts)
+_FACTS: list[dict[str, Any]] = [{}]  # facts every report inside a call adds (report_facts)
 
 
 def add_listener(listener: Listener) -> Callable[[], None]:
@@ -106,6 +106,18 @@ def report(path: str, reasons: list[str] | None = None, **facts: Any) -> None:
     record = {"path": path, "reasons": list(reasons or []), **_FACTS[-1], **facts}
     for listener in list(_LISTENERS):
         listener(record)
+
+
+@contextmanager
+def report_facts(**facts: Any) -> Iterator[None]:
+    """Add ``facts`` to every path report made inside the block (the bucket a layer's own
+    kernel runs on, for the listeners that map its rows back to the items; the engine and
+    why, for a fallback)."""
+    _FACTS.append({**_FACTS[-1], **facts})
+    try:
+        yield
+    finally:
+        _FACTS.pop()
 
 
 def explicit_reasons(need_weights: bool, modifiers: Modifiers | None = None) -> list[str]:

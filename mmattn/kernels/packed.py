@@ -23,7 +23,6 @@ keys run torch's own jagged SDPA (flash / memory-efficient varlen kernels) inste
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -250,15 +249,6 @@ def report(path: str, reasons: list[str], **facts) -> None:
         _kernel.report("packed", reasons, kernel=path, **facts)
 
 
-@contextlib.contextmanager
-def report_facts(**facts) -> Iterator[None]:
-    """Add ``facts`` to every path report made inside the block (the bucket a layer's own
-    kernel runs on, for the listeners that map its rows back to the items)."""
-    _kernel._FACTS.append({**_kernel._FACTS[-1], **facts})
-    try:
-        yield
-    finally:
-        _kernel._FACTS.pop()
 
 
 def weight_tiles(record: dict, block: int = 64) -> Iterator:
