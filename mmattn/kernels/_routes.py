@@ -13,7 +13,6 @@ device it was asked about, the fallback's reason (:func:`fallback_facts`), for `
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +23,12 @@ from mmattn._helpers import ceil_div, exporting
 from mmattn._masks_grid import axis_window
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels import engines
+from mmattn.kernels._neighborhood_plan import ByteCache
 from mmattn.kernels.modifiers import Modifiers
 
-_MASKS: OrderedDict = OrderedDict()  # geometry → BlockMask (the key mask is a score term)
-_MASKS_KEPT = 32
+#: geometry → BlockMask (the key mask is a score term): the kernels' byte-bounded,
+#: thread-safe LRU cache (:class:`~mmattn.kernels._neighborhood_plan.ByteCache`), 64 MiB.
+_MASKS = ByteCache(64 * 2**20)
 
 
 def facts(kind: str, q: Tensor, k: Tensor, v: Tensor, *, groups: int, need_weights: bool,
@@ -72,15 +73,13 @@ def block_mask(key: tuple, make_mod: Callable[[], Callable], length: int,
     from torch.nn.attention.flex_attention import create_block_mask
 
     key = (key, length, str(device), block)
-    if key in _MASKS:
-        _MASKS.move_to_end(key)
-        return _MASKS[key]
+    mask = _MASKS.get(key)
+    if mask is not None:
+        return mask
     mask = create_block_mask(make_mod(), None, None, length, length, device=device,
                              BLOCK_SIZE=block, _compile=torch.device(device).type == "cuda")
-    _MASKS[key] = mask
-    while len(_MASKS) > _MASKS_KEPT:
-        _MASKS.popitem(last=False)
-    return mask
+    nbytes = sum(t.nbytes for t in mask.as_tuple() if isinstance(t, Tensor))
+    return _MASKS.put(key, mask, nbytes)
 
 
 def flex_block(device: torch.device) -> int:
