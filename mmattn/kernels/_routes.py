@@ -173,8 +173,7 @@ def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q:
 def seen_keys(mask: Any) -> Tensor:
     """(b, l) bool: the keys some query of the SparseMask may attend (cached on the mask):
     those of its full tiles and the attended columns of its mixed tiles."""
-    seen = mask.__dict__.get("_seen_keys")
-    if seen is None:
+    def build() -> Tensor:
         batch, length, s = mask.batch, mask.length, mask.block_size
         padded = ceil_div(length, s) * s
         flat = torch.zeros(batch * padded, dtype=torch.bool, device=mask.device)
@@ -183,8 +182,9 @@ def seen_keys(mask: Any) -> Tensor:
         flat[((full[:, 0] * padded + full[:, 2] * s)[:, None] + offsets).reshape(-1)] = True
         rows = (mixed[:, 0] * padded + mixed[:, 2] * s)[:, None] + offsets
         flat[rows[mask.mixed_masks.any(dim=1)]] = True
-        seen = mask.__dict__["_seen_keys"] = flat.view(batch, padded)[:, :length]
-    return seen
+        return flat.view(batch, padded)[:, :length]
+
+    return mask.cached("seen-keys", build)
 
 
 def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | None,

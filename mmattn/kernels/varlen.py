@@ -151,9 +151,8 @@ def segment_runs(mask: Any):
     source = getattr(mask, "segment_source", None)
     if source is None:
         return None
-    cached = mask.__dict__.get("_segment_runs")
-    if cached is None:
+    def build():
         found = runs(source.ids)
-        cached = (found, source.window) if found.contiguous else False
-        mask.__dict__["_segment_runs"] = cached
-    return cached or None
+        return (found, source.window) if found.contiguous else None
+
+    return mask.cached("segment-runs", build)

@@ -15,6 +15,7 @@ kernel (:mod:`mmattn.kernels.block_sparse`) plans its buckets from it once per m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,8 +69,7 @@ class SparseMask:
     ) -> None:
         self.batch, self.length, self.block_size = batch, length, block_size
         self.full_tiles, self.mixed_tiles, self.mixed_masks = full_tiles, mixed_tiles, mixed_masks
-        self._plans: dict[Any, _kernel.TilePlan] = {}
-        self._block_mask: Any = None
+        self._cache: dict[Any, Any] = {}
         #: a segment-wise pattern's facts for the varlen engine (patterns/_segments.py)
         self.segment_source: Any = None
 
@@ -142,19 +142,22 @@ class SparseMask:
             >>> bm.BLOCK_SIZE, bm.kv_num_blocks.flatten().tolist()
             ((16, 16), [1, 1, 1])
         """
-        if self._block_mask is None:
-            self._block_mask = _flex.build_block_mask(self)
-        return self._block_mask
+        return self.cached("block_mask", lambda: _flex.build_block_mask(self))
 
     def plan(self, width: int) -> _kernel.TilePlan:
         """The kernel's bucket plan for a model of this width (built once, then cached)."""
         key = int(width)
-        if key not in self._plans:
-            self._plans[key] = _kernel.plan_tiles(
-                self.batch, self.length, self.block_size, self.full_tiles, self.mixed_tiles,
-                self.mixed_masks, width=key,
-            )
-        return self._plans[key]
+        return self.cached(("plan", key), lambda: _kernel.plan_tiles(
+            self.batch, self.length, self.block_size, self.full_tiles, self.mixed_tiles,
+            self.mixed_masks, width=key,
+        ))
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per mask and key: what the kernels and engines derive from this
+        mask (the bucket plan of a width, the BlockMask, the engines' facts), kept with it."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
 
 def compile_pattern(pattern: Any, tokens: Tokens, block_size: int = 64) -> SparseMask:
