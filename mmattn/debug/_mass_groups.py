@@ -1,14 +1,14 @@
 """Which token is which: the token layout of an attention call and its modality groups.
 
 Axis key: ``b`` items, ``l`` positions of an item, ``t`` flat tokens (``b·L + l`` padded,
-the rows of ``values()`` packed).
+the rows of ``values()`` packed), ``n`` slots of a kernel's batch.
 
-Groups come from ``Tokens.meta`` (DESIGN, "Token attributes"): ``meta["modality_ids"]``
-(B, L) indexing ``meta["modalities"]`` with ``meta["segments"]`` for interleaved sequences,
-else ``meta["spans"]`` (``{name: (start, stop)}``, ints or per-item (B,) tensors). With
-``by="modality"`` a group is a modality; with ``by="segment"`` it is one segment, named by
-its modality and its rank among that modality's segments in the item: ``"image[0]"``,
-``"image[1]"``, so the second image of every item is one group.
+Groups are read from ``Tokens.meta`` by the patterns' own reader
+(:class:`~mmattn.patterns._context.TokenContext`: ``meta["spans"]``, else
+``meta["modality_ids"]`` with ``meta["modalities"]`` and ``meta["segments"]``). With
+``by="modality"`` a group is a modality; with ``by="segment"`` one segment, named by its
+modality and its rank among that modality's segments in the item (``"image[0]"``,
+``"image[1]"``), so the second image of every item is one group.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmattn._checks import check_names
 from mmattn._jagged import contiguous_parts, owners
+from mmattn.kernels._tiles import Unsupported
+from mmattn.patterns._attributes import runs
+from mmattn.patterns._context import TokenContext
 from mmattn.tokens import Tokens
 
 BY = ("modality", "segment")
@@ -34,6 +36,7 @@ class Layout:
         offsets: (b + 1,) start of each item's ids (``b·L`` padded).
         real: (t,) True for a real token (not padding).
         item, pos: (t,) the item and the position inside it of each id.
+        flat: the ids are packed rows (else ``b·L + l``).
     """
 
     batch: int
@@ -42,30 +45,25 @@ class Layout:
     real: Tensor
     item: Tensor
     pos: Tensor
-
-    @property
-    def lengths(self) -> Tensor:
-        return self.offsets.diff()
+    flat: bool = False
 
     @staticmethod
     def padded(batch: int, length: int, real: Tensor | None, device) -> Layout:
-        offsets = torch.arange(batch + 1, device=device) * length
         ids = torch.arange(batch * length, device=device)
         if real is None:
             real = torch.ones(batch * length, dtype=torch.bool, device=device)
-        return Layout(batch, length, offsets, real.reshape(-1).to(device), ids // max(length, 1),
-                      ids % max(length, 1))
+        return Layout(batch, length, torch.arange(batch + 1, device=device) * length,
+                      real.reshape(-1).to(device), ids // max(length, 1), ids % max(length, 1))
 
     @staticmethod
     def packed(offsets: Tensor) -> Layout:
         offsets = offsets.long()
-        total = int(offsets[-1])
+        total, lengths = int(offsets[-1]), offsets.diff()
         item = owners(offsets, total)
         pos = torch.arange(total, device=offsets.device) - offsets[:-1][item]
-        lengths = offsets.diff()
         longest = int(lengths.max()) if lengths.numel() else 0
         real = torch.ones(total, dtype=torch.bool, device=offsets.device)
-        return Layout(len(offsets) - 1, longest, offsets, real, item, pos)
+        return Layout(len(offsets) - 1, longest, offsets, real, item, pos, True)
 
     @staticmethod
     def of(tokens: Tokens) -> Layout:
@@ -74,108 +72,60 @@ class Layout:
         mask = None if tokens.mask is None else tokens.mask.reshape(-1)
         return Layout.padded(tokens.batch_size, tokens.length, mask, tokens.x.device)
 
-    def matches(self, other: Layout) -> bool:
-        return (self.batch, self.length) == (other.batch, other.length) and bool(
-            torch.equal(self.offsets.cpu(), other.offsets.cpu())
-        )
+    def fits(self, tokens: Layout) -> bool:
+        """Whether a call of this layout runs on ``tokens`` (a packed call: the same items;
+        a padded one: the same (B, L), packed Tokens a block unpacks included)."""
+        if (self.batch, self.length) != (tokens.batch, tokens.length):
+            return False
+        return not self.flat or torch.equal(self.offsets.cpu(), tokens.offsets.cpu())
+
+    def rows(self, x: Tensor, items: list[int] | None = None) -> Tensor:
+        """The token of every row of a kernel's tensor (-1: none): (n, h, l, e) gives (n·l,)
+        (slot n is item ``items[n]``, default n; positions past the item's length, such as
+        appended keys, are none); rows (t, h, e) are the tokens themselves."""
+        if x.dim() == 3:
+            if x.shape[0] != self.real.shape[0]:
+                raise Unsupported(f"a kernel call on {x.shape[0]} rows for "
+                                  f"{self.real.shape[0]} tokens")
+            return torch.arange(x.shape[0], device=self.real.device)
+        starts, lengths = self.offsets[:-1], self.offsets.diff()
+        if items is not None:
+            index = torch.tensor(items, dtype=torch.long, device=starts.device)
+            starts, lengths = starts[index], lengths[index]
+        elif x.shape[0] != self.batch or x.shape[2] < self.length:
+            raise Unsupported(f"a kernel call of shape {tuple(x.shape)} on tokens "
+                              f"{(self.batch, self.length)}")
+        pos = torch.arange(x.shape[2], device=starts.device)
+        return torch.where(pos < lengths[:, None], starts[:, None] + pos, -1).reshape(-1)
 
 
-def _flat(value: Tensor, layout: Layout, name: str) -> Tensor:
-    """A per-token attribute as (t,): from (B, L), (t,) or a jagged (B, j*) tensor."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"meta[{name!r}] must be a tensor, got {type(value).__name__}")
-    if value.is_nested:
-        value = value.values()
-    total = int(layout.offsets[-1])
-    if value.dim() == 2 and tuple(value.shape) == (layout.batch, layout.length):
-        if value.shape[0] * value.shape[1] == total:
-            return value.reshape(-1).long()
-        return value[layout.item, layout.pos].long()
-    if value.dim() == 1 and value.shape[0] == total:
-        return value.long()
-    raise ValueError(
-        f"meta[{name!r}] must be (B, L) = {(layout.batch, layout.length)} or one id per token "
-        f"({total},), got {tuple(value.shape)}"
-    )
-
-
-def _span_ids(spans: dict, layout: Layout) -> Tensor:
-    """(t,) the index of the span each token lies in (-1: none)."""
-    group = torch.full_like(layout.pos, -1)
-    for index, (start, stop) in enumerate(spans.values()):
-        start = torch.as_tensor(start, device=layout.pos.device)
-        stop = torch.as_tensor(stop, device=layout.pos.device)
-        if start.dim():
-            start, stop = start[layout.item], stop[layout.item]
-        group = torch.where((layout.pos >= start) & (layout.pos < stop), index, group)
-    return group
-
-
-def _runs(ids: Tensor, layout: Layout) -> Tensor:
-    """Segment ids: one per contiguous run of equal ``ids`` inside an item (-1 stays -1)."""
-    same = torch.zeros_like(ids, dtype=torch.bool)
-    same[1:] = (ids[1:] == ids[:-1]) & (layout.item[1:] == layout.item[:-1])
-    return torch.where(ids < 0, -1, torch.cumsum(~same, 0) - 1)
-
-
-def token_groups(tokens: Tokens, layout: Layout, by: str) -> tuple[list[str], Tensor] | None:
-    """The group names and the (t,) group of every token, or None without modality facts.
+def token_groups(tokens: Tokens, by: str) -> tuple[list[str], Tensor | None, Tensor]:
+    """The group names, the (B, L) group of every token (-1: padding or none; None without
+    modality facts) and the (B, L) real tokens, in the Tokens' padded layout.
 
     Raises:
-        ValueError: ``meta["modality_ids"]`` without ``meta["modalities"]``, ids out of
-            range, or attributes of the wrong shape.
+        ValueError: malformed modality facts (the patterns' messages).
     """
-    meta = tokens.meta
-    if "modality_ids" in meta:
-        if "modalities" not in meta:
-            raise ValueError(
-                "meta['modality_ids'] indexes meta['modalities'] (the names), which is missing"
-            )
-        names = list(check_names("meta['modalities']", meta["modalities"]))
-        modality = _flat(meta["modality_ids"], layout, "modality_ids")
-        if modality.numel() and int(modality.max()) >= len(names):
-            raise ValueError(
-                f"meta['modality_ids'] holds id {int(modality.max())} but meta['modalities'] "
-                f"names only {len(names)}: {names}"
-            )
-        segments = None
-        if "segments" in meta:
-            segments = _flat(meta["segments"], layout, "segments")
-    elif isinstance(meta.get("spans"), dict) and meta["spans"]:
-        names = [str(name) for name in meta["spans"]]
-        modality = segments = _span_ids(meta["spans"], layout)
-    else:
-        return None
-    modality = torch.where(layout.real, modality, -1)
+    ctx = TokenContext(tokens)
+    if ctx.meta.get("spans") is None and "modality_ids" not in ctx.meta:
+        return [], None, ctx.real
+    ids, names = ctx.modalities()
+    ids = torch.where(ctx.real, ids, -1)
     if by == "modality":
-        return names, modality
-    if segments is None:
-        segments = _runs(modality, layout)
-    return _segment_groups(names, modality, torch.where(modality < 0, -1, segments), layout)
-
-
-def _segment_groups(
-    names: list[str], modality: Tensor, segments: Tensor, layout: Layout
-) -> tuple[list[str], Tensor]:
-    """Group = (modality, rank of the segment among the item's segments of that modality)."""
+        return list(names), ids, ctx.real
+    segments = ctx.segments()
+    segments = runs(ids) if segments is None else torch.where(ids < 0, -1, segments)
     labels: list[str] = []
-    group = torch.full_like(segments, -1)
-    item, seg, mod = (t.tolist() for t in (layout.item, segments, modality))
-    seen: dict[tuple[int, int], int] = {}  # (item, segment) -> label index
-    ranks: dict[tuple[int, int], int] = {}  # (item, modality) -> segments so far
     out = []
-    for b, s, m in zip(item, seg, mod):
-        if s < 0 or m < 0:
-            out.append(-1)
-            continue
-        if (b, s) not in seen:
-            rank = ranks.get((b, m), 0)
-            ranks[(b, m)] = rank + 1
-            label = f"{names[m]}[{rank}]"
-            if label not in labels:
-                labels.append(label)
-            seen[(b, s)] = labels.index(label)
-        out.append(seen[(b, s)])
-    if out:
-        group = torch.tensor(out, dtype=torch.long, device=segments.device)
-    return labels, group
+    for mods, segs in zip(ids.tolist(), segments.tolist()):
+        seen: dict[int, int] = {}  # segment -> label index
+        ranks: dict[int, int] = {}  # modality -> segments so far
+        for m, s in zip(mods, segs):
+            if s >= 0 and s not in seen:
+                label = f"{names[m]}[{ranks.get(m, 0)}]"
+                ranks[m] = ranks.get(m, 0) + 1
+                labels += [label] if label not in labels else []
+                seen[s] = labels.index(label)
+            out.append(seen[s] if s >= 0 else -1)
+    group = torch.tensor(out, dtype=torch.long, device=ids.device).view_as(ids)
+    return labels, group, ctx.real

@@ -54,21 +54,11 @@ class Tally:
                 self._top_rows(w, q_tok, k_tok)
 
     def _tokens(self, record: dict, x: Tensor, ids: Tensor) -> Tensor:
-        """The token of each row ``ids`` of the call's tensor ``x`` (-1: none): row
-        ``b·L + i`` of a batched call is position i of item b (of ``record["items"][b]`` for
-        a packed bucket), a flat or jagged call's rows are the tokens."""
-        if x.is_nested or x.dim() != 4:
+        """The token of each row ``ids`` of the call's tensor ``x`` (-1: none)."""
+        if x.is_nested or x.dim() != 4:  # flat or jagged rows: the tokens
             return ids
-        layout, length = self.layout, x.shape[2]
-        starts, lengths = layout.offsets[:-1], layout.lengths
-        if "items" in record:  # a packed bucket: slot n is item items[n]
-            items = torch.tensor(record["items"], dtype=torch.long, device=starts.device)
-            starts, lengths = starts[items], lengths[items]
-        elif x.shape[0] != layout.batch or length != layout.length:
-            raise Unsupported(f"a kernel call of shape {tuple(x.shape)} on tokens "
-                              f"{(layout.batch, layout.length)}")
-        slot, pos = ids.clamp(min=0) // max(length, 1), ids.clamp(min=0) % max(length, 1)
-        return torch.where((ids >= 0) & (pos < lengths[slot]), starts[slot] + pos, -1)
+        rows = self.layout.rows(x, record.get("items"))
+        return torch.where(ids >= 0, rows[ids.clamp(min=0)], -1)
 
     def _top_rows(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
         """Keep the k best keys of every row: weight first, then the lower key index."""

@@ -5,9 +5,9 @@ Axis key: ``c`` attention calls, ``b`` batch, ``h`` heads, ``l`` query positions
 ``n`` query / key groups (modalities or segments), ``k`` top keys.
 
 Both functions run the model once and record its attention calls
-(:mod:`mmattn.debug._mass_calls`, which says how each is measured). The mass of a call is
-an attention call with the keys' one-hot groups as values, on the layer's own kernel; the
-top keys come from each kernel's weight tiles, k best keys a row. No (L, L) tensor is formed.
+(:mod:`mmattn.debug._mass_calls`): the mass is an attention call with the keys' one-hot
+groups as values, on the layer's own kernel; the top keys come from each kernel's weight
+tiles, k best keys a row. No (L, L) tensor is formed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mmattn import _checks as checks
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.debug._mass_calls import Session
 from mmattn.debug._mass_groups import BY
@@ -142,13 +143,12 @@ def attention_mass(
 
     Every self-attention call of an mmattn attention module counts, on every kernel, padded
     or packed; cross-attention, decoding steps (``cache=``), Linformer's projected slots and
-    calls whose Tokens carry no modality facts are listed in ``.skipped``. The groups join
-    the values of the call's attention step (one pass: padded calls without dropout, at
-    most ``head_dim`` groups; outputs the same within float rounding), or else the layer
-    runs the call once more with the groups as values (outputs bit for bit the same).
-    Memory: the layer's own, never (L, L); the weights are those before dropout. ``model``
-    may also be a single attention layer, called on ``tokens.x`` with the Tokens' key
-    padding and geometry (``grid``, ``edge_index``).
+    calls whose Tokens carry no modality facts are listed in ``.skipped``. Each attention
+    step of a call takes the groups as more value columns (one pass; the model's outputs the
+    same within float rounding); with dropout the step runs once more on the groups without
+    it: the weights are those before dropout. Memory: the layer's own, never (L, L).
+    ``model`` may also be a single attention layer, called on ``tokens.x`` with the Tokens'
+    key padding and geometry (``grid``, ``edge_index``).
 
     Args:
         model: the model (or an attention layer).
@@ -175,8 +175,7 @@ def attention_mass(
         >>> torch.allclose(mass.table.sum(-1), torch.ones(2, 2, 2))
         True
     """
-    if by not in BY:
-        raise ValueError(f"by must be one of {BY}, got {by!r}")
+    checks.check_choice("by", by, BY)
     _check_block(block_size)
     session = Session(by, None, block_size)
     output = _run(session, model, tokens, args, kwargs)
@@ -244,10 +243,7 @@ def top_keys(
         >>> torch.allclose(found.weights[0], w.topk(3).values, atol=1e-6)
         True
     """
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    checks.check_positive_int("k", k)
     _check_block(block_size)
     session = Session(None, k, block_size)
     output = _run(session, model, tokens, args, kwargs)
@@ -265,9 +261,5 @@ def top_keys(
 
 
 def _check_block(block_size: int | None) -> None:
-    if block_size is None:
-        return
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int or None, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if block_size is not None:
+        checks.check_positive_int("block_size", block_size)
