@@ -34,6 +34,7 @@ def call(kind="window", device="cuda", dtype=BF16, **kw) -> Call:
     (call(groups=2), ALL, "varlen", "varlen_attn"),
     (call(modifiers=("sinks",)), ALL, "flex", "no score modifiers (sinks)"),
     (call(key_mask=True), ALL, "flex", "no key padding mask"),
+    (call(value_dim=66), ALL, "flex", "value heads as wide as the query's (64), not 66"),
     (call(), Available(varlen=True, flex=True), "flex", "no window_size"),
     (call(), NONE, "fallback", "no flex_attention"),
     (call(need_weights=True), ALL, "fallback", "need_weights=True"),
