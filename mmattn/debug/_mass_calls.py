@@ -1,20 +1,15 @@
-"""The machinery of :func:`mmattn.debug.attention_mass` and :func:`~mmattn.debug.top_keys`:
-recording the attention calls of one run, and measuring them.
+"""Recording the attention calls of one :func:`~mmattn.debug.attention_mass` /
+:func:`~mmattn.debug.top_keys` run, and measuring them.
 
 Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``M`` groups.
 
-Hooks note the :class:`~mmattn.tokens.Tokens` every module is given (an attention call finds
-the Tokens, and their modality facts, of its block); an mmattn attention module's forward,
-or its ``attend_rows`` (blocks call it for packed Tokens), opens a :class:`Call`.
-
-The mass (DESIGN, "One implementation of each kernel's math"): every attention step of a
-layer runs through its ``_step``, whatever the kernel or engine; there the values take the
-keys' one-hot groups as M more columns (zero for padding and appended keys), and a query's
-last M output columns are its weight on each group (a sink's share goes nowhere, dead rows
-give zero). With dropout the step runs as it was, then on the groups alone without dropout.
-
-Top keys: a kernel path listener hands each kernel report back to its kernel
-(:func:`mmattn.kernels._report_tiles.weight_tiles`) and keeps the best keys of each row.
+Hooks note the :class:`~mmattn.tokens.Tokens` every module is given, so an attention call
+(a forward, or ``attend_rows`` for packed Tokens) finds the modality facts of its block,
+read by the patterns' ``TokenContext``. Every attention step of a layer runs through its
+``_step`` whatever the kernel or engine (DESIGN, "One implementation of each kernel's
+math"): there the values take the keys' one-hot groups as M more columns, and a query's
+last M output columns are its weight on each group. Top keys: each kernel report goes back
+to its kernel (:func:`mmattn.kernels._report_tiles.weight_tiles`) for its weight tiles.
 """
 
 from __future__ import annotations
@@ -27,13 +22,106 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mmattn import _checks as checks
 from mmattn._helpers import exporting
-from mmattn._jagged import contiguous_parts, is_jagged
+from mmattn._jagged import contiguous_parts, is_jagged, owners
 from mmattn.attention.mha import MultiHeadAttention
-from mmattn.debug._mass_groups import Layout, token_groups
-from mmattn.debug._mass_tally import Tally, Unsupported
-from mmattn.kernels.dense import current_facts
+from mmattn.debug._mass_tally import Tally
+from mmattn.kernels._tiles import Unsupported
+from mmattn.kernels.dense import add_listener, current_facts
+from mmattn.patterns._attributes import runs
+from mmattn.patterns._context import TokenContext
 from mmattn.tokens import Tokens
+
+
+@dataclass
+class Layout:
+    """The tokens of one attention call as flat ids.
+
+    Attributes:
+        batch, length: items, and their (longest) length.
+        offsets: (b + 1,) start of each item's ids (``b·L`` padded).
+        real: (t,) True for a real token (not padding).
+        item, pos: (t,) the item and the position inside it of each id.
+        flat: the ids are packed rows (else ``b·L + l``).
+    """
+
+    batch: int
+    length: int
+    offsets: Tensor
+    real: Tensor
+    item: Tensor
+    pos: Tensor
+    flat: bool = False
+
+    @staticmethod
+    def make(offsets: Tensor, real: Tensor | None = None, length: int | None = None) -> Layout:
+        """From the items' offsets (b + 1,): packed rows, or ``b·L`` given ``length`` L."""
+        total, lengths = int(offsets[-1]), offsets.diff()
+        item = owners(offsets, total)
+        pos = torch.arange(total, device=offsets.device) - offsets[:-1][item]
+        if real is None:
+            real = torch.ones(total, dtype=torch.bool, device=offsets.device)
+        longest = int(lengths.max()) if lengths.numel() else 0
+        return Layout(len(offsets) - 1, longest if length is None else length, offsets,
+                      real.reshape(-1).to(offsets.device), item, pos, length is None)
+
+    def fits(self, tokens: Tokens) -> bool:
+        """Whether a call of this layout runs on ``tokens`` (a packed call: the same items;
+        a padded one: the same (B, L), packed Tokens a block unpacks included)."""
+        if (self.batch, self.length) != (tokens.batch_size, tokens.length):
+            return False
+        return not self.flat or (tokens.is_packed and torch.equal(
+            self.offsets.cpu(), contiguous_parts(tokens.x)[1].cpu()))
+
+    def rows(self, x: Tensor, items: list[int] | None = None) -> Tensor:
+        """The token of every row of a kernel's tensor (-1: none): (n, h, l, e) gives (n·l,)
+        (slot n is item ``items[n]``, default n; positions past the item's length, such as
+        appended keys, are none); rows (t, h, e) are the tokens themselves."""
+        if x.dim() == 3:
+            if x.shape[0] != self.real.shape[0]:
+                raise Unsupported(f"a kernel call on {x.shape[0]} rows for "
+                                  f"{self.real.shape[0]} tokens")
+            return torch.arange(x.shape[0], device=self.real.device)
+        starts, lengths = self.offsets[:-1], self.offsets.diff()
+        if items is not None:
+            index = torch.tensor(items, dtype=torch.long, device=starts.device)
+            starts, lengths = starts[index], lengths[index]
+        elif x.shape[0] != self.batch or x.shape[2] < self.length:
+            raise Unsupported(f"a kernel call of shape {tuple(x.shape)} on tokens "
+                              f"{(self.batch, self.length)}")
+        pos = torch.arange(x.shape[2], device=starts.device)
+        return torch.where(pos < lengths[:, None], starts[:, None] + pos, -1).reshape(-1)
+
+
+def token_groups(tokens: Tokens, by: str) -> tuple[list[str], Tensor | None, Tensor]:
+    """The group names, the (B, L) group of every token (-1: padding or none; None without
+    modality facts) and the (B, L) real tokens, in the Tokens' padded layout.
+
+    Raises:
+        ValueError: malformed modality facts (the patterns' messages).
+    """
+    ctx = TokenContext(tokens)
+    if ctx.meta.get("spans") is None and "modality_ids" not in ctx.meta:
+        return [], None, ctx.real
+    ids, names = ctx.modalities()
+    ids = torch.where(ctx.real, ids, -1)
+    if by == "modality":
+        return list(names), ids, ctx.real
+    segments = ctx.segments()
+    segments = runs(ids) if segments is None else torch.where(ids < 0, -1, segments)
+    labels: dict[str, int] = {}
+    out = []
+    for mods, segs in zip(ids.tolist(), segments.tolist()):
+        seen: dict[int, int] = {}  # segment -> label index
+        ranks: dict[int, int] = {}  # modality -> segments so far
+        for m, s in zip(mods, segs):
+            if s >= 0 and s not in seen:
+                ranks[m] = ranks.get(m, -1) + 1
+                seen[s] = labels.setdefault(f"{names[m]}[{ranks[m]}]", len(labels))
+            out.append(seen[s] if s >= 0 else -1)
+    group = torch.tensor(out, dtype=torch.long, device=ids.device).view_as(ids)
+    return list(labels), group, ctx.real
 
 
 @dataclass
@@ -55,30 +143,54 @@ class Session:
     """Hooks, the Tokens stack and the calls of one attention_mass / top_keys run."""
 
     def __init__(self, by: str | None, topk: int | None, block: int | None) -> None:
+        if block is not None:
+            checks.check_positive_int("block_size", block)
         self.by, self.topk, self.block = by, topk, block
         self.calls: list[Call] = []
         self.skipped: list[tuple[str, str]] = []
         self.tokens: list[Tokens | None] = []
         self.active: list[Call] = []
-        self._seen: dict[int, tuple[Tokens, Layout, tuple]] = {}  # ids stay valid: kept
+        self._seen: dict[int, tuple[Tokens, tuple]] = {}  # the Tokens kept: ids stay valid
 
-    # -------------------------------------------------------------- calls
+    def run(self, model: nn.Module, tokens: Any, args: tuple, kwargs: dict, what: str) -> Any:
+        """``model(tokens, *args, **kwargs)`` with the hooks on; what it returned."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        undo = self.install(model)
+        if self.topk:
+            undo.append(add_listener(self.listener))
+        try:
+            if isinstance(model, MultiHeadAttention) and isinstance(tokens, Tokens):
+                self.tokens.append(tokens)  # a bare layer: called on the Tokens' tensors
+                extra = {**model.geometry({**tokens.meta, **kwargs}), **kwargs}
+                if not tokens.is_packed:
+                    extra.setdefault("key_padding_mask", tokens.key_padding_mask)
+                output = model(tokens.x, *args, **extra)
+            else:
+                output = model(tokens, *args, **kwargs)
+        finally:
+            for step in undo:
+                step()
+        if not self.calls:
+            why = "; ".join(f"{name or '(model)'}: {reason}" for name, reason in self.skipped)
+            raise ValueError(f"{what} found no self-attention call of an mmattn attention "
+                             "module to measure" + (f" (skipped: {why})" if why else ""))
+        return output
 
     def open(self, name: str, module: nn.Module, query: Any, self_attention: bool,
              key_padding_mask: Tensor | None, offsets: Tensor | None = None,
              cached: bool = False) -> None:
         call = Call(name, module)
         self.active.append(call)
+        reasons = ((cached, "a decoding step (cache=): the keys are the cache, not the tokens"),
+                   (not self_attention, "cross-attention: the keys are another sequence"),
+                   (module._packed_weights_width() is not None,
+                    "the keys are projected slots (Linformer), not tokens"),
+                   (exporting(), "exporting"))
         try:
-            if cached:
-                raise Unsupported("a decoding step (cache=): the keys are the cache, not the "
-                                  "tokens")
-            if not self_attention:
-                raise Unsupported("cross-attention: the keys are another sequence")
-            if module._packed_weights_width() is not None:
-                raise Unsupported("the keys are projected slots (Linformer), not tokens")
-            if exporting():
-                raise Unsupported("exporting")
+            for bad, why in reasons:
+                if bad:
+                    raise Unsupported(why)
             self._prepare(call, module, query, key_padding_mask, offsets)
         except Unsupported as why:
             call.skip = str(why)
@@ -86,23 +198,23 @@ class Session:
     def _prepare(self, call: Call, module: nn.Module, query: Any,
                  key_padding_mask: Tensor | None, offsets: Tensor | None) -> None:
         if offsets is not None or is_jagged(query):
-            layout = Layout.packed(offsets if offsets is not None else
-                                   contiguous_parts(query)[1])
+            layout = Layout.make(offsets if offsets is not None else contiguous_parts(query)[1])
         elif isinstance(query, Tensor) and not query.is_nested and query.dim() in (2, 3):
-            batched = query.dim() == 3
-            batch = query.shape[0 if module.batch_first else 1] if batched else 1
-            length = query.shape[1 if module.batch_first else 0] if batched else query.shape[0]
+            batched, first = query.dim() == 3, module.batch_first
+            batch = query.shape[0 if first else 1] if batched else 1
+            length = query.shape[1 if first else 0] if batched else query.shape[0]
             real = None
             if key_padding_mask is not None:
                 kpm = key_padding_mask.reshape(batch, -1)
                 real = ~kpm if kpm.dtype == torch.bool else ~torch.isneginf(kpm)
-            layout = Layout.padded(batch, length, real, query.device)
+            offsets = torch.arange(batch + 1, device=query.device) * length
+            layout = Layout.make(offsets, real, length)
         else:
             raise Unsupported("a nested query that is not jagged")
-        found = next((self._facts(t) for t in reversed(self.tokens)
-                      if t is not None and layout.fits(self._facts(t)[1])), None)
+        found = next((self._groups(t) for t in reversed(self.tokens)
+                      if t is not None and layout.fits(t)), None)
         if found is not None:
-            names, group, real = found[2]
+            names, group, real = found
             layout.real = layout.real & real[layout.item, layout.pos]
             if group is not None:
                 call.names = names
@@ -114,24 +226,19 @@ class Session:
         if self.topk is not None:
             call.tally = Tally(layout, self.topk)
 
-    def _facts(self, tokens: Tokens) -> tuple[Tokens, Layout, tuple]:
-        """The layout and groups of Tokens, once per Tokens object (blocks share theirs)."""
+    def _groups(self, tokens: Tokens) -> tuple:
+        """:func:`token_groups` of Tokens, once per Tokens object (blocks share theirs)."""
         if id(tokens) not in self._seen:
-            self._seen[id(tokens)] = (tokens, Layout.of(tokens),
-                                      token_groups(tokens, self.by or "modality"))
-        return self._seen[id(tokens)]
+            self._seen[id(tokens)] = (tokens, token_groups(tokens, self.by or "modality"))
+        return self._seen[id(tokens)][1]
 
-    def close(self, failed: bool = False) -> None:
+    def close(self) -> None:
         call = self.active.pop()
-        if call.skip is not None:
-            self.skipped.append((call.name, call.skip))
-        elif not failed and (call.sums is not None or (call.tally is not None
-                                                       and call.tally.top is not None)):
+        measured = call.sums is not None or (call.tally is not None and call.tally.top is not None)
+        if call.skip is None and measured:
             self.calls.append(call)
-        elif not failed:
-            self.skipped.append((call.name, "nothing attended"))
-
-    # -------------------------------------------------------------- the mass
+        else:
+            self.skipped.append((call.name, call.skip or "nothing attended"))
 
     def _step_wrapper(self, module: MultiHeadAttention, step):
         """The module's attention step, taking the keys' groups with the values."""
@@ -147,10 +254,9 @@ class Session:
                 return step(kernel, q, k, v, *args, **kwargs)
             count = len(call.names)
             keys = torch.where(k_tok >= 0, call.group[k_tok.clamp(min=0)], -1)
-            groups = F.one_hot(torch.where(keys >= 0, keys, count), count + 1)[:, :count]
-            groups = groups.to(v.dtype).view(*v.shape[:1], *v.shape[2:-1], 1, count)
-            groups = groups.transpose(1, -2) if v.dim() == 4 else groups  # (b, 1, j, M)
-            groups = groups.expand(*v.shape[:-1], count)
+            groups = F.one_hot(keys + 1, count + 1)[:, 1:].to(v.dtype)  # none: a zero row
+            groups = groups.view(v.shape[0], 1, *v.shape[2:-1], count).expand(
+                *v.shape[:-1], count)  # (b, k, j, M) or (t, k, M): the same for every head
             width = v.shape[-1]
             if kwargs.get("dropout_p", 0.0) == 0:
                 result = step(kernel, q, k, torch.cat([v, groups], dim=-1), *args, **kwargs)
@@ -184,8 +290,6 @@ class Session:
                                     dtype=torch.float64, device=per_row.device)
         call.sums.index_add_(1, rows[keep], per_row[keep].transpose(0, 1).double())
 
-    # -------------------------------------------------------------- top keys
-
     def listener(self, record: dict) -> None:
         if not self.active:
             self.skipped.append(("", f"a {record['path']} kernel call outside an mmattn "
@@ -199,8 +303,6 @@ class Session:
                 call.tally.feed(record, self.block)
         except Unsupported as why:
             call.skip = str(why)
-
-    # -------------------------------------------------------------- hooks
 
     def install(self, model: nn.Module) -> list:
         """Put the hooks on; returns the functions that take them off."""
@@ -218,7 +320,7 @@ class Session:
 
         def post(module, args, kwargs, output):
             if isinstance(module, MultiHeadAttention) and self.active:
-                self.close(failed=output is None)  # None: the forward raised
+                self.close()
             if self.tokens:
                 self.tokens.pop()
 
@@ -239,12 +341,9 @@ class Session:
     def _rows_wrapper(self, name: str, module: MultiHeadAttention, rows):
         def attend_rows(qv, q_off, kv, k_off, vv, *, self_attention=False, **kwargs):
             self.open(name, module, qv, bool(self_attention), None, offsets=q_off)
-            failed = True
             try:
-                out = rows(qv, q_off, kv, k_off, vv, self_attention=self_attention, **kwargs)
-                failed = False
-                return out
+                return rows(qv, q_off, kv, k_off, vv, self_attention=self_attention, **kwargs)
             finally:
-                self.close(failed)
+                self.close()
 
         return attend_rows

@@ -1,26 +1,28 @@
-"""The running top keys of one attention call, fed kernel report by kernel report.
+"""The running top keys of one attention call, fed kernel report by kernel report: the
+kernel that made a report gives the weights of its tiles
+(:func:`mmattn.kernels._report_tiles.weight_tiles`); its rows are mapped to tokens and the k
+best keys of each row kept.
 
-Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``n`` slots of a
-tile, ``r`` its query rows, ``j`` its key columns, ``k`` top keys, ``E`` edges.
-
-Each kernel report of the call (:func:`mmattn.kernels.dense.add_listener`) is handed back to
-the kernel that made it (:func:`mmattn.kernels._report_tiles.weight_tiles`), which gives the
-weights of the tiles it runs; here the rows of the call are mapped to tokens and only the k
-best keys of each row are kept.
+Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``n`` slots of a tile, ``r`` its query
+rows, ``j`` its key columns, ``k`` top keys, ``E`` edges.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from mmattn.debug._mass_groups import Layout
+if TYPE_CHECKING:
+    from mmattn.debug._mass_calls import Layout
+
 from mmattn.kernels._report_tiles import call_tensors, weight_tiles
 from mmattn.kernels._tiles import Unsupported
 
-__all__ = ["Tally", "Unsupported"]
+__all__ = ["Tally"]
 
 #: Scores per step of the top keys (small enough to stay in the CPU's cache).
 TOP_ELEMENTS = 1 << 17
@@ -44,21 +46,17 @@ class Tally:
 
     def feed(self, record: dict, block: int | None) -> None:
         """Add a kernel report of the call: the weights of its tiles (or edges)."""
-        frame = call_tensors(record)
+        frame = call_tensors(record)  # a batch's rows map to tokens; flat rows are tokens
+        tokens = [None if x.is_nested or x.dim() != 4 else
+                  self.layout.rows(x, record.get("items")) for x in frame]
         for q_ids, k_ids, w in weight_tiles(record, block or 64, TOP_ELEMENTS):
-            q_tok, k_tok = (self._tokens(record, x, ids) for x, ids in zip(frame, (q_ids, k_ids)))
+            q_tok, k_tok = (ids if at is None else torch.where(ids >= 0, at[ids.clamp(min=0)], -1)
+                            for at, ids in zip(tokens, (q_ids, k_ids)))
+            self._start(w.shape[1], w)
             if w.dim() == 2:
                 self.edges(w, q_tok, k_tok)
             else:
-                self._start(w.shape[1], w)
                 self._top_rows(w, q_tok, k_tok)
-
-    def _tokens(self, record: dict, x: Tensor, ids: Tensor) -> Tensor:
-        """The token of each row ``ids`` of the call's tensor ``x`` (-1: none)."""
-        if x.is_nested or x.dim() != 4:  # flat or jagged rows: the tokens
-            return ids
-        rows = self.layout.rows(x, record.get("items"))
-        return torch.where(ids >= 0, rows[ids.clamp(min=0)], -1)
 
     def _top_rows(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
         """Keep the k best keys of every row: weight first, then the lower key index."""
@@ -85,7 +83,6 @@ class Tally:
 
     def edges(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
         """Add edge weights: w (E, h), q_tok / k_tok (E,) the query and key token of each."""
-        self._start(w.shape[1], w)
         if not w.numel():
             return
         order = k_tok.argsort(stable=True)  # sort by (query, weight desc, key) per head

@@ -19,13 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from mmattn import _checks as checks
-from mmattn.attention.mha import MultiHeadAttention
 from mmattn.debug._mass_calls import Session
-from mmattn.debug._mass_groups import BY
-from mmattn.kernels import dense as _kernel
-from mmattn.tokens import Tokens
 
 __all__ = ["AttentionMass", "TopKeys", "attention_mass", "top_keys"]
+
+BY = ("modality", "segment")
 
 
 @dataclass
@@ -83,34 +81,6 @@ class TopKeys:
     modules: list[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     output: Any = None
-
-
-def _run(session: Session, model: nn.Module, tokens: Any, args: tuple, kwargs: dict) -> Any:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    undo = session.install(model)
-    remove = _kernel.add_listener(session.listener) if session.topk else (lambda: None)
-    try:
-        if isinstance(model, MultiHeadAttention) and isinstance(tokens, Tokens):
-            session.tokens.append(tokens)  # a bare layer: called on the Tokens' tensors
-            extra = {**model.geometry({**tokens.meta, **kwargs}), **kwargs}
-            if not tokens.is_packed:
-                extra.setdefault("key_padding_mask", tokens.key_padding_mask)
-            return model(tokens.x, *args, **extra)
-        return model(tokens, *args, **kwargs)
-    finally:
-        remove()
-        for step in undo:
-            step()
-
-
-def _check_calls(session: Session, what: str) -> None:
-    if not session.calls:
-        why = "; ".join(f"{name or '(model)'}: {reason}" for name, reason in session.skipped)
-        raise ValueError(
-            f"{what} found no self-attention call of an mmattn attention module to measure"
-            + (f" (skipped: {why})" if why else "")
-        )
 
 
 def attention_mass(
@@ -176,10 +146,8 @@ def attention_mass(
         True
     """
     checks.check_choice("by", by, BY)
-    _check_block(block_size)
     session = Session(by, None, block_size)
-    output = _run(session, model, tokens, args, kwargs)
-    _check_calls(session, "attention_mass")
+    output = session.run(model, tokens, args, kwargs, "attention_mass")
     names: list[str] = []
     for call in session.calls:
         names.extend(n for n in call.names if n not in names)
@@ -188,8 +156,8 @@ def attention_mass(
     counts = torch.zeros(len(session.calls), len(names), dtype=torch.long)
     for c, call in enumerate(session.calls):
         index = torch.tensor([names.index(n) for n in call.names], dtype=torch.long)
-        real = torch.where(call.layout.real, call.group, -1).cpu()
-        sums, count = call.sums.cpu(), torch.bincount(real[real >= 0], minlength=len(index))
+        group = call.group[call.group >= 0].cpu()  # the real queries' groups
+        sums, count = call.sums.cpu(), torch.bincount(group, minlength=len(index))
         mean = (sums / count[None, :, None]).float()  # NaN (0 / 0) where no query of a group
         table[c][:sums.shape[0], index[:, None], index[None, :]] = mean
         counts[c, index] = count
@@ -244,10 +212,8 @@ def top_keys(
         True
     """
     checks.check_positive_int("k", k)
-    _check_block(block_size)
     session = Session(None, k, block_size)
-    output = _run(session, model, tokens, args, kwargs)
-    _check_calls(session, "top_keys")
+    output = session.run(model, tokens, args, kwargs, "top_keys")
     tops = [call.tally.top for call in session.calls]
     shape = [max(t[0].shape[d] for t in tops) for d in range(4)]
     weights = torch.zeros(len(tops), *shape)
@@ -259,7 +225,3 @@ def top_keys(
     return TopKeys(indices, weights, [call.name for call in session.calls], session.skipped,
                    output)
 
-
-def _check_block(block_size: int | None) -> None:
-    if block_size is not None:
-        checks.check_positive_int("block_size", block_size)

@@ -388,3 +388,24 @@ def test_more_groups_than_the_head_width_and_a_sequence_first_layer():
     _, w = layer(tokens.x.transpose(0, 1), need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(mass.table[0].double(),
                                reference(w, segments, ids >= 0, 7), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["local-global-causal", "neighborhood"])
+def test_the_mass_runs_on_the_engine_the_layer_uses(name):
+    """With the flex engine forced (its CPU forward), every step of the call runs on flex,
+    the groups joined to the values there too: debug/ holds no engine code."""
+    import warnings
+
+    from mmattn.kernels import engines
+
+    layer = {"local-global-causal": lambda: LocalAttention(D, H, window_size=3,
+                                                           num_global_tokens=2, causal=True),
+             "neighborhood": LAYERS["neighborhood"]}[name]().eval()
+    tokens = fused()
+    with torch.no_grad(), warnings.catch_warnings(), engines.use("flex"):
+        warnings.simplefilter("ignore")
+        mass, seen = kernel_reports(lambda: attention_mass(layer, tokens))
+    assert {record["path"] for record in seen} == {"flex"}
+    assert {record["v"].shape[-1] for record in seen} == {layer.head_dim + 2}
+    expected = reference(dense_weights(layer, tokens), span_groups(tokens), real_of(tokens), 2)
+    torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
