@@ -48,7 +48,6 @@ def facts(kind: str, q: Tensor, k: Tensor, v: Tensor, *, groups: int, need_weigh
         groups=groups, need_weights=need_weights, dropout=dropout_p > 0,
         fused=_kernel.use_fused_attn(), key_mask=key_mask is not None, modifiers=names,
         grad=grad, traced=traced, global_tokens=global_tokens,
-        value_dim=None if v.shape[-1] == q.shape[-1] else int(v.shape[-1]),
     )
 
 

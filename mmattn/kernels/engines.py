@@ -117,8 +117,6 @@ class Call:
         grad: autograd will run backward through the call.
         traced: exporting or a symbolic shape (the engines take concrete data).
         global_tokens: a "window" call with global tokens (flex, not varlen).
-        value_dim: the values' head width when not e (attention_mass joins the groups to
-            the values; flash wants them as wide as the queries).
     """
 
     kind: str
@@ -134,7 +132,6 @@ class Call:
     grad: bool = False
     traced: bool = False
     global_tokens: bool = False
-    value_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -213,9 +210,6 @@ def _varlen_refusal(call: Call, have: Available) -> str | None:
         return f"varlen_attn (flash) takes float16/bfloat16, not {str(call.dtype)[6:]}"
     if call.head_dim % 8 or call.head_dim > 256:
         return f"varlen_attn (flash) takes head widths 8..256 in steps of 8, not {call.head_dim}"
-    if call.value_dim not in (None, call.head_dim):
-        return (f"varlen_attn (flash) takes value heads as wide as the query's ({call.head_dim}),"
-                f" not {call.value_dim}")
     if call.groups > 1 and not have.varlen_gqa:
         return "varlen_attn has no enable_gqa in this torch (grouped-query heads)"
     if call.modifiers:
