@@ -24,74 +24,14 @@ from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn._helpers import exporting
-from mmattn._jagged import contiguous_parts, is_jagged, owners
+from mmattn._jagged import contiguous_parts, is_jagged
 from mmattn.attention.mha import MultiHeadAttention
-from mmattn.debug._mass_tally import Tally
+from mmattn.debug._mass_tally import Layout, Tally
 from mmattn.kernels._tiles import Unsupported
 from mmattn.kernels.dense import add_listener, current_facts
 from mmattn.patterns._attributes import runs
 from mmattn.patterns._context import TokenContext
 from mmattn.tokens import Tokens
-
-
-@dataclass
-class Layout:
-    """The tokens of one attention call as flat ids.
-
-    Attributes:
-        batch, length: items, and their (longest) length.
-        offsets: (b + 1,) start of each item's ids (``b·L`` padded).
-        real: (t,) True for a real token (not padding).
-        item, pos: (t,) the item and the position inside it of each id.
-        flat: the ids are packed rows (else ``b·L + l``).
-    """
-
-    batch: int
-    length: int
-    offsets: Tensor
-    real: Tensor
-    item: Tensor
-    pos: Tensor
-    flat: bool = False
-
-    @staticmethod
-    def make(offsets: Tensor, real: Tensor | None = None, length: int | None = None) -> Layout:
-        """From the items' offsets (b + 1,): packed rows, or ``b·L`` given ``length`` L."""
-        total, lengths = int(offsets[-1]), offsets.diff()
-        item = owners(offsets, total)
-        pos = torch.arange(total, device=offsets.device) - offsets[:-1][item]
-        if real is None:
-            real = torch.ones(total, dtype=torch.bool, device=offsets.device)
-        longest = int(lengths.max()) if lengths.numel() else 0
-        return Layout(len(offsets) - 1, longest if length is None else length, offsets,
-                      real.reshape(-1).to(offsets.device), item, pos, length is None)
-
-    def fits(self, tokens: Tokens) -> bool:
-        """Whether a call of this layout runs on ``tokens`` (a packed call: the same items;
-        a padded one: the same (B, L), packed Tokens a block unpacks included)."""
-        if (self.batch, self.length) != (tokens.batch_size, tokens.length):
-            return False
-        return not self.flat or (tokens.is_packed and torch.equal(
-            self.offsets.cpu(), contiguous_parts(tokens.x)[1].cpu()))
-
-    def rows(self, x: Tensor, items: list[int] | None = None) -> Tensor:
-        """The token of every row of a kernel's tensor (-1: none): (n, h, l, e) gives (n·l,)
-        (slot n is item ``items[n]``, default n; positions past the item's length, such as
-        appended keys, are none); rows (t, h, e) are the tokens themselves."""
-        if x.dim() == 3:
-            if x.shape[0] != self.real.shape[0]:
-                raise Unsupported(f"a kernel call on {x.shape[0]} rows for "
-                                  f"{self.real.shape[0]} tokens")
-            return torch.arange(x.shape[0], device=self.real.device)
-        starts, lengths = self.offsets[:-1], self.offsets.diff()
-        if items is not None:
-            index = torch.tensor(items, dtype=torch.long, device=starts.device)
-            starts, lengths = starts[index], lengths[index]
-        elif x.shape[0] != self.batch or x.shape[2] < self.length:
-            raise Unsupported(f"a kernel call of shape {tuple(x.shape)} on tokens "
-                              f"{(self.batch, self.length)}")
-        pos = torch.arange(x.shape[2], device=starts.device)
-        return torch.where(pos < lengths[:, None], starts[:, None] + pos, -1).reshape(-1)
 
 
 def token_groups(tokens: Tokens, by: str) -> tuple[list[str], Tensor | None, Tensor]:
@@ -267,13 +207,13 @@ class Session:
                 result = (out, *result[1:]) if isinstance(result, tuple) else out
             else:  # the mass of the weights before dropout
                 result = step(kernel, q, k, v, *args, **kwargs)
+                if (result[0] if isinstance(result, tuple) else result) is None:
+                    return result  # an engine that did not take the call
                 again = {**kwargs, "dropout_p": 0.0}
                 if "need_weights" in again:
                     again["need_weights"] = False
                 mass = step(kernel, q, k, groups, *args, **again)
                 mass = mass[0] if isinstance(mass, tuple) else mass
-                if mass is None:
-                    return result
             with torch.no_grad():
                 rows = mass.transpose(1, 2) if mass.dim() == 4 else mass  # (b, l, h, M)
                 self._add(call, q_tok, rows.reshape(-1, *rows.shape[-2:]))
