@@ -390,6 +390,8 @@ def test_more_groups_than_the_head_width_and_a_sequence_first_layer():
                                reference(w, segments, ids >= 0, 7), atol=1e-5, rtol=0)
 
 
+@pytest.mark.pins_path
+@pytest.mark.usefixtures("fused_only")  # MMATTN_FUSED_ATTN=0 keeps the engines off
 @pytest.mark.parametrize("name", ["local-global-causal", "neighborhood"])
 def test_the_mass_runs_on_the_engine_the_layer_uses(name):
     """With the flex engine forced (its CPU forward), every step of the call runs on flex,
