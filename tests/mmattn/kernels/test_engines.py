@@ -151,6 +151,12 @@ def test_segment_runs_of_a_compiled_pattern():
     for other in (P.same("documents") | P.causal(), P.same("documents") & P.full(),
                   P.causal()):
         assert segment_runs(other.compile(tokens, block_size=16)) is None
+    # moved to another device (here "meta" stands in for CUDA), the runs come along
+    mask = (P.same("documents") & P.causal()).compile(tokens, block_size=16)
+    moved = mask.to("meta").segment_source
+    assert moved.ids.device.type == "meta" and moved.real.device.type == "meta"
+    assert moved.window == mask.segment_source.window == (-1, 0)
+    assert torch.equal(mask.to("cpu").segment_source.ids, mask.segment_source.ids)
     # a document that comes back after padding is not one run: flex instead
     gap = _doc_tokens()
     gap.mask[0, 1] = False
