@@ -14,6 +14,7 @@ to its kernel (:func:`mmattn.kernels._report_tiles.weight_tiles`) for its weight
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from mmattn._helpers import exporting
 from mmattn._jagged import contiguous_parts, is_jagged
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.debug._mass_tally import Layout, Tally
+from mmattn.kernels import engines
 from mmattn.kernels._tiles import Unsupported
 from mmattn.kernels.dense import add_listener, current_facts
 from mmattn.patterns._attributes import runs
@@ -96,10 +98,12 @@ class Session:
         """``model(tokens, *args, **kwargs)`` with the hooks on; what it returned."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        undo = self.install(model)
-        if self.topk:
-            undo.append(add_listener(self.listener))
-        try:
+        with contextlib.ExitStack() as undo:
+            for step in self.install(model):
+                undo.callback(step)
+            if self.topk:  # engines report no tiles: mmattn's own kernels run the calls
+                undo.callback(add_listener(self.listener))
+                undo.enter_context(engines.use("fallback"))
             if isinstance(model, MultiHeadAttention) and isinstance(tokens, Tokens):
                 self.tokens.append(tokens)  # a bare layer: called on the Tokens' tensors
                 extra = {**model.geometry({**tokens.meta, **kwargs}), **kwargs}
@@ -108,9 +112,6 @@ class Session:
                 output = model(tokens.x, *args, **extra)
             else:
                 output = model(tokens, *args, **kwargs)
-        finally:
-            for step in undo:
-                step()
         if not self.calls:
             why = "; ".join(f"{name or '(model)'}: {reason}" for name, reason in self.skipped)
             raise ValueError(f"{what} found no self-attention call of an mmattn attention "

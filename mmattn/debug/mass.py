@@ -177,7 +177,8 @@ def top_keys(
     ``k`` keys each query attends most, with their weights.
 
     Computed tile by tile from the kernels' own tensors (memory O(L · k) for the result,
-    O(L · block) while running; never (L, L)); the model's outputs are unchanged. The same
+    O(L · block) while running; never (L, L)) on mmattn's own kernels (``engines.use(
+    "fallback")``: an engine's report holds no tiles; on the CPU nothing changes). The same
     calls count as for :func:`attention_mass`, but Tokens without modality facts are fine.
 
     Ties: among keys of equal weight the lower key position comes first (``torch.topk``

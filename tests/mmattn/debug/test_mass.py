@@ -395,7 +395,8 @@ def test_more_groups_than_the_head_width_and_a_sequence_first_layer():
 @pytest.mark.parametrize("name", ["local-global-causal", "neighborhood"])
 def test_the_mass_runs_on_the_engine_the_layer_uses(name):
     """With the flex engine forced (its CPU forward), every step of the call runs on flex,
-    the groups joined to the values there too: debug/ holds no engine code."""
+    the groups joined to the values there too: debug/ holds no engine code. top_keys runs
+    the calls on mmattn's kernels, whose reports give the tiles."""
     import warnings
 
     from mmattn.kernels import engines
@@ -411,3 +412,9 @@ def test_the_mass_runs_on_the_engine_the_layer_uses(name):
     assert {record["v"].shape[-1] for record in seen} == {layer.head_dim + 2}
     expected = reference(dense_weights(layer, tokens), span_groups(tokens), real_of(tokens), 2)
     torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
+    # top_keys needs tiles, which no engine reports: it runs the calls on mmattn's kernels
+    with torch.no_grad(), warnings.catch_warnings(), engines.use("flex"):
+        warnings.simplefilter("ignore")
+        found, seen = kernel_reports(lambda: top_keys(layer, tokens, k=3))
+    assert "flex" not in {record["path"] for record in seen} and not found.skipped
+    check_top(found, dense_weights(layer, tokens), real_of(tokens), 3)
