@@ -418,3 +418,36 @@ def test_the_mass_runs_on_the_engine_the_layer_uses(name):
         found, seen = kernel_reports(lambda: top_keys(layer, tokens, k=3))
     assert "flex" not in {record["path"] for record in seen} and not found.skipped
     check_top(found, dense_weights(layer, tokens), real_of(tokens), 3)
+
+
+CUDA_LAYERS = {  # head width 32: varlen (flash) and flex's CUDA kernel take it
+    "local-varlen": lambda: LocalAttention(128, 4, window_size=2),
+    "local-flex": lambda: LocalAttention(128, 4, window_size=3, num_global_tokens=2,
+                                         causal=True),
+    "neighborhood-flex": lambda: NeighborhoodAttention(128, 4, kernel_size=3,
+                                                       num_global_tokens=1),
+}
+
+
+@pytest.mark.pins_path
+@pytest.mark.usefixtures("fused_only")
+@pytest.mark.parametrize("name", list(CUDA_LAYERS))
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_the_mass_runs_on_the_cuda_engine_the_layer_uses(device, name):
+    """On CUDA (bf16, no padding: varlen takes no key mask) the mass runs on the engine
+    the plain forward runs on, and equals the dense weights summed over modalities."""
+    layer = CUDA_LAYERS[name]().to(device, torch.bfloat16).eval()
+    parts = {"text": Tokens(torch.randn(2, 6, 128)),
+             "image": Tokens(torch.randn(2, 9, 128), meta={"grid": (3, 3)})}
+    tokens = Tokens.cat(parts).to(device, torch.bfloat16)
+    extra = geometry(layer, tokens, {})
+    with torch.no_grad():
+        _, alone = kernel_reports(lambda: layer(tokens.x, **extra))
+        mass, seen = kernel_reports(lambda: attention_mass(layer, tokens))
+        w = dense_weights(layer, tokens).float().cpu()
+    engines_used = {record.get("engine") for record in alone}
+    assert engines_used & {"varlen", "flex"}, engines_used
+    assert {record.get("engine") for record in seen} == engines_used
+    expected = reference(w, span_groups(tokens).cpu(), real_of(tokens).cpu(), 2)
+    torch.testing.assert_close(mass.table[0].double(), expected, atol=2e-2, rtol=2e-2)
