@@ -119,13 +119,14 @@ def attend_values(
             rearrange(proj(t), "t (h e) -> t h e", e=e)
             for proj, t in ((module.q_proj, qv), (module.k_proj, kv), (module.v_proj, vv))
         )
-        out, _ = _routes.packed(q, k, v, q_off, k_off, max(q_lens), max(k_lens),
-                                is_causal=is_causal, dropout_p=dropout_p, groups=groups)
+        out, _ = module._step(_routes.packed, q, k, v, q_off, k_off, max(q_lens), max(k_lens),
+                              is_causal=is_causal, dropout_p=dropout_p, groups=groups)
         if out is not None:  # varlen_attn (mmattn.kernels.engines), reported there
             return module.out_proj(rearrange(out, "t h e -> t (h e)")), None
         try:
-            out = jagged_sdpa(
-                q, k, v, q_off, k_off, dropout_p=dropout_p, is_causal=is_causal, groups=groups
+            out = module._step(
+                jagged_sdpa, q, k, v, q_off, k_off, dropout_p=dropout_p, is_causal=is_causal,
+                groups=groups,
             )
         except (RuntimeError, NotImplementedError, ValueError) as error:  # no kernel fits
             fallback = [f"torch's jagged SDPA refused these inputs: {error}"]
@@ -178,27 +179,28 @@ def attend_values(
             kb = torch.cat([kb, extra_k.expand(n, -1, -1, -1)], dim=2)
             vb = torch.cat([vb, extra_v.expand(n, -1, -1, -1)], dim=2)
             mask = _open_extra(mask, n, bucket, extra, qb.device)
-        if direct:  # padded keys repeat the item's own rows: no dead keys to clear
-            if mask is not None and causal:
-                mask = _kernel.with_causal(mask, bucket.q_len, bucket.k_len, qb.device)
-                causal = False
-            if _kernel.reporting():
-                report("buckets", fallback if index == 0 else [], q=qb, k=kb, v=vb, mask=mask,
-                       is_causal=causal, dropout_p=dropout_p, groups=groups, bucket=index,
-                       buckets=sizes, items=bucket.items, **facts)
-            # only the user's mask may leave a row without keys
-            out = _kernel.sdpa(
-                qb, kb, vb, mask, dropout_p=dropout_p, is_causal=causal, groups=groups,
-                dead_rows=attn_mask is not None,
-            )
-        else:
-            with report_facts(bucket=index, items=bucket.items, **facts):
-                out, w = module._attention(
-                    qb, kb, vb, mask, is_causal=causal, dropout_p=dropout_p,
+        with report_facts(bucket=index, items=bucket.items, **facts):
+            w = None
+            if direct:  # padded keys repeat the item's own rows: no dead keys to clear
+                if mask is not None and causal:
+                    mask = _kernel.with_causal(mask, bucket.q_len, bucket.k_len, qb.device)
+                    causal = False
+                if _kernel.reporting():
+                    report("buckets", fallback if index == 0 else [], q=qb, k=kb, v=vb,
+                           mask=mask, is_causal=causal, dropout_p=dropout_p, groups=groups,
+                           buckets=sizes)
+                # only the user's mask may leave a row without keys
+                out = module._step(
+                    _kernel.sdpa, qb, kb, vb, mask, dropout_p=dropout_p, is_causal=causal,
+                    groups=groups, dead_rows=attn_mask is not None,
+                )
+            else:
+                out, w = module._step(
+                    module._attention, qb, kb, vb, mask, is_causal=causal, dropout_p=dropout_p,
                     need_weights=need_weights,
                 )
-            if w is not None:
-                bucket_weights.append((index, w))
+        if w is not None:
+            bucket_weights.append((index, w))
         outs.append(rearrange(out, "n h i e -> (n i) (h e)"))
     outs.append(qv.new_zeros(1, module.embed_dim))  # the result of items without keys
     out = torch.cat(outs).index_select(0, plan_of.rows)

@@ -121,8 +121,8 @@ def sparse_forward(
     if key_padding_mask is not None:
         key_mask = ~key_padding_mask if key_padding_mask.dtype == torch.bool else (
             key_padding_mask.to(q.dtype))
-    out, weights = _attend(
-        q, k, v, attn_mask, module.embed_dim, key_mask=key_mask, is_causal=is_causal,
+    out, weights = module._step(
+        _attend, q, k, v, attn_mask, module.embed_dim, key_mask=key_mask, is_causal=is_causal,
         dropout_p=module.dropout if module.training else 0.0, need_weights=need_weights,
         groups=module.num_heads // module.num_kv_heads, modifiers=score_modifiers(module),
     )

@@ -333,13 +333,14 @@ class EdgeAttention(MultiHeadAttention):
         v = rearrange(self.v_proj(vv), "m (h e) -> m h e", h=self.num_kv_heads)
         dropout_p, mods = self.dropout if self.training else 0.0, score_modifiers(self)
         if mods is not None:
-            out, weights = edge_attend_modified(
-                q, k, v, src, dst, mods, bias=bias, dropout_p=dropout_p,
+            out, weights = self._step(
+                edge_attend_modified, q, k, v, src, dst, mods, bias=bias, dropout_p=dropout_p,
                 need_weights=need_weights,
             )
         else:
-            out, weights = attend_sorted(
-                q, k, v, src, dst, bias=bias, dropout_p=dropout_p, need_weights=need_weights
+            out, weights = self._step(
+                attend_sorted, q, k, v, src, dst, bias=bias, dropout_p=dropout_p,
+                need_weights=need_weights,
             )
         out = self.out_proj(rearrange(out, "n h e -> n (h e)"))
         return out, weights, src, dst

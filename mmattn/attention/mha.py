@@ -381,9 +381,23 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
             key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
             dtype=q.dtype,
         )
-        return self._attention(
-            q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, need_weights=need_weights
+        return self._step(
+            self._attention, q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p,
+            need_weights=need_weights,
         )
+
+    def _step(self, kernel: Any, q: Tensor, k: Tensor, v: Tensor, *args: Any,
+              **kwargs: Any) -> Any:
+        """``kernel(q, k, v, *args, **kwargs)``: every attention step of a whole call
+        (padded, a packed bucket, packed rows, a block-sparse mask, windows, edges) runs
+        through here, on head-split tensors in the kernel's own layout, so a tool sees the
+        step whatever kernel or engine runs it (:func:`mmattn.debug.attention_mass` gives the
+        values more columns). ``dropout_p`` is a keyword of every kernel it passes.
+
+        Shape:
+            - q: (b, h, i, e) or rows (t, h, e); k, v: (b, k, j, e) or (t, k, e)
+        """
+        return kernel(q, k, v, *args, **kwargs)
 
     def _attention(
         self,

@@ -271,9 +271,9 @@ class NeighborhoodAttention(MultiHeadAttention):
             key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
             dtype=q.dtype,
         )
-        out, weights = self._windows(
-            q, k, v, mask, grid, grid_start, dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
+        out, weights = self._step(
+            self._windows, q, k, v, mask, grid, grid_start,
+            dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
         )
         out = self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
         return from_batch_first(self, batched, out, weights, average_attn_weights)
@@ -343,9 +343,9 @@ class NeighborhoodAttention(MultiHeadAttention):
                        mask=None, dropout_p=dropout_p, plan=plan, modifiers=mods,
                        position_bias=table,
                        items=items, kernel_size=self.kernel_size, dilation=self.dilation)
-            out, weights = neighborhood_rows(
-                q, k, v, plan, dropout_p=dropout_p, need_weights=need_weights, modifiers=mods,
-                table=table,
+            out, weights = self._step(
+                neighborhood_rows, q, k, v, plan, dropout_p=dropout_p,
+                need_weights=need_weights, modifiers=mods, table=table,
             )
         else:
             out = q.new_zeros(0, self.num_heads, self.head_dim)

@@ -1,29 +1,90 @@
-"""The running top keys of one attention call, fed kernel report by kernel report.
+"""Which token is which in an attention call (:class:`Layout`), and the running top keys
+of the call (:class:`Tally`), fed kernel report by kernel report: the kernel that made a
+report gives the weights of its tiles (:func:`mmattn.kernels._report_tiles.weight_tiles`);
+its rows are mapped to tokens and the k best keys of each row kept.
 
 Axis key: ``b`` items, ``h`` heads, ``l`` positions, ``t`` flat tokens, ``n`` slots of a
 tile, ``r`` its query rows, ``j`` its key columns, ``k`` top keys, ``E`` edges.
-
-Each kernel report of the call (:func:`mmattn.kernels.dense.add_listener`) is handed back to
-the kernel that made it (:func:`mmattn.kernels._report_tiles.weight_tiles`), which gives the
-weights of the tiles it runs; here the rows of the call are mapped to tokens and only the k
-best keys of each row are kept.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from mmattn.debug._mass_groups import Layout
+from mmattn._jagged import contiguous_parts, owners
 from mmattn.kernels._report_tiles import call_tensors, weight_tiles
 from mmattn.kernels._tiles import Unsupported
+from mmattn.tokens import Tokens
 
-__all__ = ["Tally", "Unsupported"]
+__all__ = ["Layout", "Tally"]
 
 #: Scores per step of the top keys (small enough to stay in the CPU's cache).
 TOP_ELEMENTS = 1 << 17
+
+
+@dataclass
+class Layout:
+    """The tokens of one attention call as flat ids.
+
+    Attributes:
+        batch, length: items, and their (longest) length.
+        offsets: (b + 1,) start of each item's ids (``b·L`` padded).
+        real: (t,) True for a real token (not padding).
+        item, pos: (t,) the item and the position inside it of each id.
+        flat: the ids are packed rows (else ``b·L + l``).
+    """
+
+    batch: int
+    length: int
+    offsets: Tensor
+    real: Tensor
+    item: Tensor
+    pos: Tensor
+    flat: bool = False
+
+    @staticmethod
+    def make(offsets: Tensor, real: Tensor | None = None, length: int | None = None) -> Layout:
+        """From the items' offsets (b + 1,): packed rows, or ``b·L`` given ``length`` L."""
+        total, lengths = int(offsets[-1]), offsets.diff()
+        item = owners(offsets, total)
+        pos = torch.arange(total, device=offsets.device) - offsets[:-1][item]
+        if real is None:
+            real = torch.ones(total, dtype=torch.bool, device=offsets.device)
+        longest = int(lengths.max()) if lengths.numel() else 0
+        return Layout(len(offsets) - 1, longest if length is None else length, offsets,
+                      real.reshape(-1).to(offsets.device), item, pos, length is None)
+
+    def fits(self, tokens: Tokens) -> bool:
+        """Whether a call of this layout runs on ``tokens`` (a packed call: the same items;
+        a padded one: the same (B, L), packed Tokens a block unpacks included)."""
+        if (self.batch, self.length) != (tokens.batch_size, tokens.length):
+            return False
+        return not self.flat or (tokens.is_packed and torch.equal(
+            self.offsets.cpu(), contiguous_parts(tokens.x)[1].cpu()))
+
+    def rows(self, x: Tensor, items: list[int] | None = None) -> Tensor:
+        """The token of every row of a kernel's tensor (-1: none): (n, h, l, e) gives (n·l,)
+        (slot n is item ``items[n]``, default n; positions past the item's length, such as
+        appended keys, are none); rows (t, h, e) are the tokens themselves."""
+        if x.dim() == 3:
+            if x.shape[0] != self.real.shape[0]:
+                raise Unsupported(f"a kernel call on {x.shape[0]} rows for "
+                                  f"{self.real.shape[0]} tokens")
+            return torch.arange(x.shape[0], device=self.real.device)
+        starts, lengths = self.offsets[:-1], self.offsets.diff()
+        if items is not None:
+            index = torch.tensor(items, dtype=torch.long, device=starts.device)
+            starts, lengths = starts[index], lengths[index]
+        elif x.shape[0] != self.batch or x.shape[2] < self.length:
+            raise Unsupported(f"a kernel call of shape {tuple(x.shape)} on tokens "
+                              f"{(self.batch, self.length)}")
+        pos = torch.arange(x.shape[2], device=starts.device)
+        return torch.where(pos < lengths[:, None], starts[:, None] + pos, -1).reshape(-1)
 
 
 class Tally:
@@ -44,31 +105,17 @@ class Tally:
 
     def feed(self, record: dict, block: int | None) -> None:
         """Add a kernel report of the call: the weights of its tiles (or edges)."""
-        frame = call_tensors(record)
+        frame = call_tensors(record)  # a batch's rows map to tokens; flat rows are tokens
+        tokens = [None if x.is_nested or x.dim() != 4 else
+                  self.layout.rows(x, record.get("items")) for x in frame]
         for q_ids, k_ids, w in weight_tiles(record, block or 64, TOP_ELEMENTS):
-            q_tok, k_tok = (self._tokens(record, x, ids) for x, ids in zip(frame, (q_ids, k_ids)))
+            q_tok, k_tok = (ids if at is None else torch.where(ids >= 0, at[ids.clamp(min=0)], -1)
+                            for at, ids in zip(tokens, (q_ids, k_ids)))
+            self._start(w.shape[1], w)
             if w.dim() == 2:
                 self.edges(w, q_tok, k_tok)
             else:
-                self._start(w.shape[1], w)
                 self._top_rows(w, q_tok, k_tok)
-
-    def _tokens(self, record: dict, x: Tensor, ids: Tensor) -> Tensor:
-        """The token of each row ``ids`` of the call's tensor ``x`` (-1: none): row
-        ``b·L + i`` of a batched call is position i of item b (of ``record["items"][b]`` for
-        a packed bucket), a flat or jagged call's rows are the tokens."""
-        if x.is_nested or x.dim() != 4:
-            return ids
-        layout, length = self.layout, x.shape[2]
-        starts, lengths = layout.offsets[:-1], layout.lengths
-        if "items" in record:  # a packed bucket: slot n is item items[n]
-            items = torch.tensor(record["items"], dtype=torch.long, device=starts.device)
-            starts, lengths = starts[items], lengths[items]
-        elif x.shape[0] != layout.batch or length != layout.length:
-            raise Unsupported(f"a kernel call of shape {tuple(x.shape)} on tokens "
-                              f"{(layout.batch, layout.length)}")
-        slot, pos = ids.clamp(min=0) // max(length, 1), ids.clamp(min=0) % max(length, 1)
-        return torch.where((ids >= 0) & (pos < lengths[slot]), starts[slot] + pos, -1)
 
     def _top_rows(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
         """Keep the k best keys of every row: weight first, then the lower key index."""
@@ -95,7 +142,6 @@ class Tally:
 
     def edges(self, w: Tensor, q_tok: Tensor, k_tok: Tensor) -> None:
         """Add edge weights: w (E, h), q_tok / k_tok (E,) the query and key token of each."""
-        self._start(w.shape[1], w)
         if not w.numel():
             return
         order = k_tok.argsort(stable=True)  # sort by (query, weight desc, key) per head

@@ -5,9 +5,9 @@ Axis key: ``c`` attention calls, ``b`` batch, ``h`` heads, ``l`` query positions
 ``n`` query / key groups (modalities or segments), ``k`` top keys.
 
 Both functions run the model once and record its attention calls
-(:mod:`mmattn.debug._mass_calls`, which says how each is measured). The mass of a call is
-an attention call with the keys' one-hot groups as values, on the layer's own kernel; the
-top keys come from each kernel's weight tiles, k best keys a row. No (L, L) tensor is formed.
+(:mod:`mmattn.debug._mass_calls`): the mass is an attention call with the keys' one-hot
+groups as values, on the layer's own kernel; the top keys come from each kernel's weight
+tiles, k best keys a row. No (L, L) tensor is formed.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmattn.attention.mha import MultiHeadAttention
+from mmattn import _checks as checks
 from mmattn.debug._mass_calls import Session
-from mmattn.debug._mass_groups import BY
-from mmattn.kernels import dense as _kernel
-from mmattn.tokens import Tokens
 
 __all__ = ["AttentionMass", "TopKeys", "attention_mass", "top_keys"]
+
+BY = ("modality", "segment")
 
 
 @dataclass
@@ -84,34 +83,6 @@ class TopKeys:
     output: Any = None
 
 
-def _run(session: Session, model: nn.Module, tokens: Any, args: tuple, kwargs: dict) -> Any:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    undo = session.install(model)
-    remove = _kernel.add_listener(session.listener) if session.topk else (lambda: None)
-    try:
-        if isinstance(model, MultiHeadAttention) and isinstance(tokens, Tokens):
-            session.tokens.append(tokens)  # a bare layer: called on the Tokens' tensors
-            extra = {**model.geometry({**tokens.meta, **kwargs}), **kwargs}
-            if not tokens.is_packed:
-                extra.setdefault("key_padding_mask", tokens.key_padding_mask)
-            return model(tokens.x, *args, **extra)
-        return model(tokens, *args, **kwargs)
-    finally:
-        remove()
-        for step in undo:
-            step()
-
-
-def _check_calls(session: Session, what: str) -> None:
-    if not session.calls:
-        why = "; ".join(f"{name or '(model)'}: {reason}" for name, reason in session.skipped)
-        raise ValueError(
-            f"{what} found no self-attention call of an mmattn attention module to measure"
-            + (f" (skipped: {why})" if why else "")
-        )
-
-
 def attention_mass(
     model: nn.Module,
     tokens: Any,
@@ -142,13 +113,12 @@ def attention_mass(
 
     Every self-attention call of an mmattn attention module counts, on every kernel, padded
     or packed; cross-attention, decoding steps (``cache=``), Linformer's projected slots and
-    calls whose Tokens carry no modality facts are listed in ``.skipped``. The groups join
-    the values of the call's attention step (one pass: padded calls without dropout, at
-    most ``head_dim`` groups; outputs the same within float rounding), or else the layer
-    runs the call once more with the groups as values (outputs bit for bit the same).
-    Memory: the layer's own, never (L, L); the weights are those before dropout. ``model``
-    may also be a single attention layer, called on ``tokens.x`` with the Tokens' key
-    padding and geometry (``grid``, ``edge_index``).
+    calls whose Tokens carry no modality facts are listed in ``.skipped``. Each attention
+    step of a call takes the groups as more value columns (one pass; the model's outputs the
+    same within float rounding); with dropout the step runs once more on the groups without
+    it: the weights are those before dropout. Memory: the layer's own, never (L, L).
+    ``model`` may also be a single attention layer, called on ``tokens.x`` with the Tokens'
+    key padding and geometry (``grid``, ``edge_index``).
 
     Args:
         model: the model (or an attention layer).
@@ -175,12 +145,9 @@ def attention_mass(
         >>> torch.allclose(mass.table.sum(-1), torch.ones(2, 2, 2))
         True
     """
-    if by not in BY:
-        raise ValueError(f"by must be one of {BY}, got {by!r}")
-    _check_block(block_size)
+    checks.check_choice("by", by, BY)
     session = Session(by, None, block_size)
-    output = _run(session, model, tokens, args, kwargs)
-    _check_calls(session, "attention_mass")
+    output = session.run(model, tokens, args, kwargs, "attention_mass")
     names: list[str] = []
     for call in session.calls:
         names.extend(n for n in call.names if n not in names)
@@ -189,8 +156,8 @@ def attention_mass(
     counts = torch.zeros(len(session.calls), len(names), dtype=torch.long)
     for c, call in enumerate(session.calls):
         index = torch.tensor([names.index(n) for n in call.names], dtype=torch.long)
-        real = torch.where(call.layout.real, call.group, -1).cpu()
-        sums, count = call.sums.cpu(), torch.bincount(real[real >= 0], minlength=len(index))
+        group = call.group[call.group >= 0].cpu()  # the real queries' groups
+        sums, count = call.sums.cpu(), torch.bincount(group, minlength=len(index))
         mean = (sums / count[None, :, None]).float()  # NaN (0 / 0) where no query of a group
         table[c][:sums.shape[0], index[:, None], index[None, :]] = mean
         counts[c, index] = count
@@ -210,7 +177,8 @@ def top_keys(
     ``k`` keys each query attends most, with their weights.
 
     Computed tile by tile from the kernels' own tensors (memory O(L · k) for the result,
-    O(L · block) while running; never (L, L)); the model's outputs are unchanged. The same
+    O(L · block) while running; never (L, L)) on mmattn's own kernels (``engines.use(
+    "fallback")``: an engine's report holds no tiles; on the CPU nothing changes). The same
     calls count as for :func:`attention_mass`, but Tokens without modality facts are fine.
 
     Ties: among keys of equal weight the lower key position comes first (``torch.topk``
@@ -244,14 +212,9 @@ def top_keys(
         >>> torch.allclose(found.weights[0], w.topk(3).values, atol=1e-6)
         True
     """
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    _check_block(block_size)
+    checks.check_positive_int("k", k)
     session = Session(None, k, block_size)
-    output = _run(session, model, tokens, args, kwargs)
-    _check_calls(session, "top_keys")
+    output = session.run(model, tokens, args, kwargs, "top_keys")
     tops = [call.tally.top for call in session.calls]
     shape = [max(t[0].shape[d] for t in tops) for d in range(4)]
     weights = torch.zeros(len(tops), *shape)
@@ -263,11 +226,3 @@ def top_keys(
     return TopKeys(indices, weights, [call.name for call in session.calls], session.skipped,
                    output)
 
-
-def _check_block(block_size: int | None) -> None:
-    if block_size is None:
-        return
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int or None, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")

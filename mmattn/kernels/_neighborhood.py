@@ -18,8 +18,6 @@ do, and the layer checks its own.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -37,6 +35,7 @@ from mmattn.kernels._neighborhood_plan import (
     tile_mask,
 )
 from mmattn.kernels._neighborhood_terms import softmax_modifiers, tile_terms
+from mmattn.kernels._scores import default_scale
 from mmattn.kernels.modifiers import Modifiers, with_bias
 
 
@@ -63,12 +62,12 @@ def run_tiles(
           (True = real key) or float (added), or None; table: ((2 kh − 1)(2 kw − 1), h)
         - returns: (c, r, h, e_v), and weights (c, r, h, plan.width) or None
     """
-    copies, _, heads, width = q.shape
+    copies, _, heads, _ = q.shape
     mods = softmax_modifiers(modifiers)  # sinks, softcap: every call; ALiBi: in the term
     term = tile_terms(plan, modifiers, table, q.dtype)  # (n, h, s, t) or None
     if term is not None and copies > 1:  # the same term for every copy of the plan
         term = term.repeat(copies, 1, 1, 1)
-    scale = 1.0 / math.sqrt(width) if scale is None else scale
+    scale = default_scale(q, scale)
     n, slots, keys = plan.tile_shape
     qz, kz, vz = (F.pad(t, (0, 0, 0, 0, 0, 1)) for t in (q, k, v))  # the zero row at r
     km = None

@@ -26,7 +26,6 @@ The per-block attention is :func:`mmattn.kernels.dense.attend`, so the fused
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
@@ -122,7 +121,7 @@ def local_attend(
     _inputs.check_band(q, k, v, window_size, key_mask, num_global_tokens, block_size)
     batch, heads, length, _ = q.shape
     groups = _kernel.num_groups(q, k, groups)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = default_scale(q, scale)
     if v.shape[-1] > q.shape[-1]:  # one head width (dense.one_width) before k's slabs copy it
         q, k, v, _ = _kernel.one_width(q, k, v, scale)
     mods = modifiers if modifiers else None

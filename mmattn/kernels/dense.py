@@ -108,6 +108,12 @@ def report(path: str, reasons: list[str] | None = None, **facts: Any) -> None:
         listener(record)
 
 
+def current_facts() -> dict[str, Any]:
+    """The facts :func:`report_facts` adds around the step running now (a packed bucket's
+    ``items``, ...); empty outside every block."""
+    return _FACTS[-1]
+
+
 @contextmanager
 def report_facts(**facts: Any) -> Iterator[None]:
     """Add ``facts`` to every path report made inside the block (the bucket a layer's own

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mmattn.kernels._scores import default_scale
@@ -131,8 +132,11 @@ def packed_attend(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, m
                   groups: int = 1, attend=None) -> Tensor:
     """``varlen_attn`` on packed rows (t, h, e) (``enable_gqa`` only when groups > 1).
 
+    Flash takes values as wide as the queries: values of another width e_v (attention_mass
+    joins its group columns to them) run e columns a call, zero-padded, and are cropped.
+
     Shape:
-        - q: (t_q, h, e); k, v: (t_k, k, e); returns (t_q, h, e)
+        - q: (t_q, h, e); k: (t_k, k, e); v: (t_k, k, e_v); returns (t_q, h, e_v)
     """
     if attend is None:
         from torch.nn.attention.varlen import varlen_attn as attend
@@ -140,8 +144,11 @@ def packed_attend(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, m
     extra = {"enable_gqa": True} if groups > 1 else {}
     if window != (-1, -1):
         extra["window_size"] = window
-    return attend(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
-                  scale=scale, **extra)
+    width, wide = q.shape[-1], v.shape[-1]
+    parts = [v] if wide == width else F.pad(v, (0, -wide % width)).split(width, dim=-1)
+    out = [attend(q, k, part, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+                  scale=scale, **extra) for part in parts]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)[..., :wide]
 
 
 def segment_runs(mask: Any):

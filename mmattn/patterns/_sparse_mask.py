@@ -15,6 +15,7 @@ kernel (:mod:`mmattn.kernels.block_sparse`) plans its buckets from it once per m
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -114,11 +115,17 @@ class SparseMask:
         return full[:, : self.length, : self.length].contiguous()
 
     def to(self, device: torch.device | str) -> SparseMask:
-        """The same mask with its tensors on ``device``."""
-        return SparseMask(
+        """The same mask with its tensors on ``device`` (a segment-wise pattern's facts too,
+        so the varlen engine takes it there as it would a mask compiled on that device)."""
+        moved = SparseMask(
             self.batch, self.length, self.block_size, self.full_tiles.to(device),
             self.mixed_tiles.to(device), self.mixed_masks.to(device),
         )
+        source = self.segment_source
+        if source is not None:
+            moved.segment_source = dataclasses.replace(
+                source, ids=source.ids.to(device), real=source.real.to(device))
+        return moved
 
     def block_mask(self) -> Any:
         """This mask as a FlexAttention ``BlockMask`` (built once, then cached).

@@ -246,16 +246,11 @@ def kernel_reports(run) -> tuple[object, list[dict]]:
         remove()
 
 
-@pytest.mark.parametrize("name, one_pass", [
-    ("mha", True), ("gqa", True), ("appended", True), ("local", True),
-    ("local-global-causal", True), ("additive", True),
-    ("neighborhood", False), ("edge", False),  # they attend outside the attention step
-])
-def test_one_pass_where_the_attention_step_takes_the_groups_with_the_values(name, one_pass):
-    """A padded call without dropout runs its kernel once, on [v | groups] (e + M value
-    columns), and its output is the layer's alone within float rounding (a matrix product
-    of another width may round otherwise; bit for bit in the second run); a layer that
-    attends outside ``_attention`` runs the call twice (the second run), same table."""
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_one_pass_every_step_takes_the_groups_with_the_values(name):
+    """Every layer's attention step (its ``_step``: the attention hook, windows, edges) runs
+    its kernel once, on [v | groups] (e + M value columns); the output is the layer's alone
+    within float rounding (a matrix product of another width may round otherwise)."""
     layer, tokens = LAYERS[name]().eval(), fused()
     kwargs = {"edge_index": EDGES} if name == "edge" else {}
     extra = {**geometry(layer, tokens, kwargs), **kwargs}
@@ -263,14 +258,10 @@ def test_one_pass_where_the_attention_step_takes_the_groups_with_the_values(name
         plain, alone = kernel_reports(
             lambda: layer(tokens.x, key_padding_mask=tokens.key_padding_mask, **extra)[0])
         mass, seen = kernel_reports(lambda: attention_mass(layer, tokens, **kwargs))
-    if one_pass:
-        torch.testing.assert_close(mass.output[0], plain, rtol=1e-6,
-                                   atol=1e-6 * plain.abs().max().item())
-    else:
-        assert torch.equal(mass.output[0], plain)
-    assert len(seen) == len(alone) * (1 if one_pass else 2) and alone
-    widths = {record["v"].shape[-1] for record in seen}
-    assert widths == ({layer.head_dim + 2} if one_pass else {layer.head_dim})
+    torch.testing.assert_close(mass.output[0], plain, rtol=1e-6,
+                               atol=1e-6 * plain.abs().max().item())
+    assert len(seen) == len(alone) and alone
+    assert {record["v"].shape[-1] for record in seen} == {layer.head_dim + 2}
     w = dense_weights(layer, tokens, **kwargs)
     expected = reference(w, span_groups(tokens), real_of(tokens), 2)
     torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
@@ -295,9 +286,10 @@ def test_one_pass_leaves_the_gradients_of_the_model():
         torch.testing.assert_close(mass, plain, rtol=1e-5, atol=1e-6 * scale)
 
 
-def test_dropout_and_packed_calls_take_the_second_run():
-    """Training with dropout (the mass is that of the weights before dropout) and packed
-    Tokens run the call a second time; the model's outputs stay the layer's own."""
+def test_dropout_runs_the_step_again_on_the_groups_and_packed_calls_take_one_pass():
+    """Training with dropout runs each step as it was (the model's outputs bit for bit the
+    layer's own) and once more on the groups alone without dropout (the mass of the weights
+    before dropout); packed Tokens take the one pass, bucket by bucket."""
     layer, tokens = LocalAttention(D, H, window_size=2, dropout=0.5), fused()
     torch.manual_seed(3)
     plain, alone = kernel_reports(
@@ -305,13 +297,16 @@ def test_dropout_and_packed_calls_take_the_second_run():
     torch.manual_seed(3)
     mass, seen = kernel_reports(lambda: attention_mass(layer, tokens))
     assert torch.equal(mass.output[0], plain) and len(seen) == 2 * len(alone)
-    packed, padded = packed_pair()
+    assert [record["dropout_p"] for record in seen] == [0.5, 0.0]
     layer.eval()
+    expected = reference(dense_weights(layer, tokens), span_groups(tokens), real_of(tokens), 2)
+    torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
+    packed, padded = packed_pair()
     mass, seen = kernel_reports(lambda: attention_mass(layer, packed))
     w = dense_weights(layer, padded)
     expected = reference(w, span_groups(padded), real_of(padded), 2)
     torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
-    assert {record["v"].shape[-1] for record in seen} == {layer.head_dim}
+    assert {record["v"].shape[-1] for record in seen} == {layer.head_dim + 2}
 
 
 class LargestTensor(TorchDispatchMode):
@@ -372,8 +367,8 @@ def test_bad_arguments_name_themselves(call, error, message):
 
 
 def test_more_groups_than_the_head_width_and_a_sequence_first_layer():
-    """Seven segments on heads of width 4 take two runs of the layer (e groups a run); a
-    batch_first=False layer inside a model gets its stand-in input sequence first."""
+    """Seven segments on heads of width 4: the values take 7 columns more (e + M = 11); a
+    batch_first=False layer inside a model is read sequence first."""
     ids = (torch.arange(20) // 3 % 2)[None].repeat(2, 1)
     segments = torch.arange(20)[None].repeat(2, 1) // 3
     meta = {"modality_ids": ids, "modalities": ["text", "image"], "segments": segments}
@@ -393,3 +388,66 @@ def test_more_groups_than_the_head_width_and_a_sequence_first_layer():
     _, w = layer(tokens.x.transpose(0, 1), need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(mass.table[0].double(),
                                reference(w, segments, ids >= 0, 7), atol=1e-5, rtol=0)
+
+
+@pytest.mark.pins_path
+@pytest.mark.usefixtures("fused_only")  # MMATTN_FUSED_ATTN=0 keeps the engines off
+@pytest.mark.parametrize("name", ["local-global-causal", "neighborhood"])
+def test_the_mass_runs_on_the_engine_the_layer_uses(name):
+    """With the flex engine forced (its CPU forward), every step of the call runs on flex,
+    the groups joined to the values there too: debug/ holds no engine code. top_keys runs
+    the calls on mmattn's kernels, whose reports give the tiles."""
+    import warnings
+
+    from mmattn.kernels import engines
+
+    layer = {"local-global-causal": lambda: LocalAttention(D, H, window_size=3,
+                                                           num_global_tokens=2, causal=True),
+             "neighborhood": LAYERS["neighborhood"]}[name]().eval()
+    tokens = fused()
+    with torch.no_grad(), warnings.catch_warnings(), engines.use("flex"):
+        warnings.simplefilter("ignore")
+        mass, seen = kernel_reports(lambda: attention_mass(layer, tokens))
+    assert {record["path"] for record in seen} == {"flex"}
+    assert {record["v"].shape[-1] for record in seen} == {layer.head_dim + 2}
+    expected = reference(dense_weights(layer, tokens), span_groups(tokens), real_of(tokens), 2)
+    torch.testing.assert_close(mass.table[0].double(), expected, atol=1e-5, rtol=1e-5)
+    # top_keys needs tiles, which no engine reports: it runs the calls on mmattn's kernels
+    with torch.no_grad(), warnings.catch_warnings(), engines.use("flex"):
+        warnings.simplefilter("ignore")
+        found, seen = kernel_reports(lambda: top_keys(layer, tokens, k=3))
+    assert "flex" not in {record["path"] for record in seen} and not found.skipped
+    check_top(found, dense_weights(layer, tokens), real_of(tokens), 3)
+
+
+CUDA_LAYERS = {  # head width 32: varlen (flash) and flex's CUDA kernel take it
+    "local-varlen": lambda: LocalAttention(128, 4, window_size=2),
+    "local-flex": lambda: LocalAttention(128, 4, window_size=3, num_global_tokens=2,
+                                         causal=True),
+    "neighborhood-flex": lambda: NeighborhoodAttention(128, 4, kernel_size=3,
+                                                       num_global_tokens=1),
+}
+
+
+@pytest.mark.pins_path
+@pytest.mark.usefixtures("fused_only")
+@pytest.mark.parametrize("name", list(CUDA_LAYERS))
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_the_mass_runs_on_the_cuda_engine_the_layer_uses(device, name):
+    """On CUDA (bf16, no padding: varlen takes no key mask) the mass runs on the engine
+    the plain forward runs on, and equals the dense weights summed over modalities."""
+    layer = CUDA_LAYERS[name]().to(device, torch.bfloat16).eval()
+    parts = {"text": Tokens(torch.randn(2, 6, 128)),
+             "image": Tokens(torch.randn(2, 9, 128), meta={"grid": (3, 3)})}
+    tokens = Tokens.cat(parts).to(device, torch.bfloat16)
+    extra = geometry(layer, tokens, {})
+    with torch.no_grad():
+        _, alone = kernel_reports(lambda: layer(tokens.x, **extra))
+        mass, seen = kernel_reports(lambda: attention_mass(layer, tokens))
+        w = dense_weights(layer, tokens).float().cpu()
+    engines_used = {record.get("engine") for record in alone}
+    assert engines_used & {"varlen", "flex"}, engines_used
+    assert {record.get("engine") for record in seen} == engines_used
+    expected = reference(w, span_groups(tokens).cpu(), real_of(tokens).cpu(), 2)
+    torch.testing.assert_close(mass.table[0].double(), expected, atol=2e-2, rtol=2e-2)

@@ -151,6 +151,12 @@ def test_segment_runs_of_a_compiled_pattern():
     for other in (P.same("documents") | P.causal(), P.same("documents") & P.full(),
                   P.causal()):
         assert segment_runs(other.compile(tokens, block_size=16)) is None
+    # moved to another device (here "meta" stands in for CUDA), the runs come along
+    mask = (P.same("documents") & P.causal()).compile(tokens, block_size=16)
+    moved = mask.to("meta").segment_source
+    assert moved.ids.device.type == "meta" and moved.real.device.type == "meta"
+    assert moved.window == mask.segment_source.window == (-1, 0)
+    assert torch.equal(mask.to("cpu").segment_source.ids, mask.segment_source.ids)
     # a document that comes back after padding is not one run: flex instead
     gap = _doc_tokens()
     gap.mask[0, 1] = False
@@ -180,3 +186,32 @@ def test_segment_varlen_cuda(device):
         assert report[0].engine == engine
     for a, b in zip(res["varlen"], res["fallback"]):
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 2e-2
+
+
+def test_varlen_takes_values_wider_than_the_queries():
+    """Flash (varlen_attn) wants values as wide as the queries: wider values run e columns
+    a call and are cropped; checked with a reference in varlen_attn's place (CPU)."""
+    from mmattn.kernels.varlen import packed_attend
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale):  # one SDPA per run
+        outs = []
+        for (a, b), (c, d) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])):
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(0, 1) for t in (q[a:b], k[c:d], v[c:d])),
+                scale=scale).transpose(0, 1))
+        return torch.cat(outs)
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 12, 20])
+    q, k = torch.randn(20, 2, 8), torch.randn(20, 2, 8)
+    v = torch.randn(20, 2, 8 + 11)  # e + M: two calls of 8 columns, the second padded
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[2].shape[-1])
+        return reference(*args, **kwargs)
+
+    out = packed_attend(q, k, v, cu, cu, 8, 8, attend=counted)
+    want = reference(q, k, v, cu, cu, 8, 8, scale=8 ** -0.5)
+    assert out.shape == (20, 2, 19) and calls == [8, 8, 8]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
