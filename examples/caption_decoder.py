@@ -10,7 +10,7 @@ Training is teacher-forced on whole sequences. Generation is greedy and incremen
 self-attention layer keeps a ``KVCache`` (each step feeds one byte and attends the bytes
 before it), every cross-attention layer a ``ContextCache`` (the audio's keys and values are
 projected once per clip). The run checks the cached decoder against the same model run on
-the whole generated sequence: every step's logits must agree within 1e-4.
+the whole generated sequence: every step's logits must agree within 1e-4 of their size.
 
 Baseline: chance (1/16 keys).
 
@@ -152,18 +152,20 @@ def run(
     with torch.no_grad():
         context = model.encode(waves[test, :longest], lengths[test])
         whole = model(generated[:, :step_logits.shape[1]], context)
-    diff = (whole - step_logits).abs().amax(dim=-1)  # (B, T)
+    # relative to each step's logit size: other CPUs round float32 sums otherwise
+    diff = (whole - step_logits).abs().amax(dim=-1) / whole.abs().amax(dim=-1).clamp(min=1)
     agree = float((diff <= 1e-4).float().mean())
     for text, want in list(zip(texts, truth))[:4]:
         print(f"  heard {want!r:>10} -> wrote {text!r}")
     print(f"exact captions {exact:.3f} on {len(test)} clips; cached decoding vs the whole "
-          f"sequence: max |logit diff| = {float(diff.max()):.2e} over {diff.numel()} steps")
+          f"sequence: max relative |logit diff| = {float(diff.max()):.2e} over "
+          f"{diff.numel()} steps")
     seconds = timer.seconds
     return [
         Result(EXAMPLE, "name the DTMF key, byte by byte (16 keys)", "exact caption rate",
                exact, 1 / len(KEYS), "chance", 0.9, seconds),
         Result(f"{EXAMPLE}/cache", "cached decoding = whole-sequence run",
-               "steps within 1e-4", agree, 0.0, "none", 1.0, seconds),
+               "steps within 1e-4 (relative)", agree, 0.0, "none", 1.0, seconds),
     ]
 
 
