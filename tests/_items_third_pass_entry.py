@@ -217,19 +217,20 @@ def _packed_proof_survives_id_reuse() -> None:
 
 
 def _band_cache_is_bounded_in_bytes() -> None:
-    limit = _hf_patterns.BAND_CACHE_BYTES
+    bands = _hf_patterns._BANDS
+    limit = bands.limit
     try:
-        _hf_patterns.BAND_CACHE_BYTES = 3000
-        _hf_patterns._BANDS.clear()
+        bands.limit = 3000
+        bands.clear()
         for length in (20, 30, 40, 50, 60):  # 400 ... 3600 bytes each
             mask = _hf_patterns._band(length, 2, True, torch.device("cpu"))[None, None]
             assert _hf_patterns.window_pattern(mask, 3) == (2, True, None)
-            kept = sum(b.numel() for b in _hf_patterns._BANDS.values())
-            assert kept <= 3000, kept
-        assert (60, 2, True, torch.device("cpu")) not in _hf_patterns._BANDS  # over the bound
+            assert bands.nbytes <= 3000, bands.nbytes
+        assert bands.get((60, 2, True, torch.device("cpu"))) is None  # over the bound
+        assert bands.get((50, 2, True, torch.device("cpu"))) is not None
     finally:
-        _hf_patterns.BAND_CACHE_BYTES = limit
-        _hf_patterns._BANDS.clear()
+        bands.limit = limit
+        bands.clear()
 
 
 ITEMS_ENTRY = [

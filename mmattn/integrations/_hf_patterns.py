@@ -34,9 +34,7 @@ causality, device), at most :data:`BAND_CACHE_BYTES` of them.
 
 from __future__ import annotations
 
-import threading
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels._neighborhood_plan import ByteCache
 from mmattn.kernels.blocked import local_attend
 from mmattn.kernels.modifiers import Modifiers
 from mmattn.kernels.packed import layout
@@ -123,26 +122,17 @@ def _find_window(mask: Tensor, window: int) -> tuple[int, bool, Tensor | None] |
 #: Bytes of (l, l) bands kept for the next forward (a band is 1 byte per entry: l = 4096
 #: is 16 MiB). A band larger than this is built for its call and not kept.
 BAND_CACHE_BYTES = 64 * 2**20
-_BANDS: OrderedDict[tuple, Tensor] = OrderedDict()
-_BANDS_LOCK = threading.Lock()
+_BANDS = ByteCache(BAND_CACHE_BYTES)  # thread-safe, least recently used first out
 
 
 def _band(length: int, size: int, causal: bool, device: torch.device) -> Tensor:
     """(l, l) bool: ``0 <= i - j <= size`` (causal) or ``|i - j| <= size``; kept for reuse
     (least recently used first out) while the kept bands fit in :data:`BAND_CACHE_BYTES`."""
     key = (length, size, causal, torch.device(device))
-    with _BANDS_LOCK:
-        band = _BANDS.get(key)
-        if band is not None:
-            _BANDS.move_to_end(key)
-            return band
-    full = torch.ones(length, length, dtype=torch.bool, device=device)
-    band = full.tril(0 if causal else size).triu_(-size)
-    if band.numel() <= BAND_CACHE_BYTES:
-        with _BANDS_LOCK:
-            _BANDS[key] = band
-            while sum(b.numel() for b in _BANDS.values()) > BAND_CACHE_BYTES:
-                _BANDS.popitem(last=False)
+    band = _BANDS.get(key)
+    if band is None:
+        full = torch.ones(length, length, dtype=torch.bool, device=device)
+        band = _BANDS.put(key, full.tril(0 if causal else size).triu_(-size), length * length)
     return band
 
 
