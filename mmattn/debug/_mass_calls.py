@@ -198,23 +198,20 @@ class Session:
             groups = F.one_hot(keys + 1, count + 1)[:, 1:].to(v.dtype)  # none: a zero row
             groups = groups.view(v.shape[0], 1, *v.shape[2:-1], count).expand(
                 *v.shape[:-1], count)  # (b, k, j, M) or (t, k, M): the same for every head
-            width = v.shape[-1]
-            if kwargs.get("dropout_p", 0.0) == 0:
-                result = step(kernel, q, k, torch.cat([v, groups], dim=-1), *args, **kwargs)
-                out = result[0] if isinstance(result, tuple) else result
-                if out is None:  # an engine that did not take the call
-                    return result
+            # without dropout one call on [v | groups]; with it the call as it was, then one on
+            # the groups alone without dropout (the mass of the weights before dropout)
+            dropout, width = kwargs.get("dropout_p", 0.0) != 0, v.shape[-1]
+            wide = v if dropout else torch.cat([v, groups], dim=-1)
+            result = step(kernel, q, k, wide, *args, **kwargs)
+            out = result[0] if isinstance(result, tuple) else result
+            if out is None:  # an engine that did not take the call
+                return result
+            if dropout:
+                mass = step(kernel, q, k, groups, *args, **{**kwargs, "dropout_p": 0.0})
+                mass = mass[0] if isinstance(mass, tuple) else mass
+            else:
                 mass, out = out[..., width:], out[..., :width]
                 result = (out, *result[1:]) if isinstance(result, tuple) else out
-            else:  # the mass of the weights before dropout
-                result = step(kernel, q, k, v, *args, **kwargs)
-                if (result[0] if isinstance(result, tuple) else result) is None:
-                    return result  # an engine that did not take the call
-                again = {**kwargs, "dropout_p": 0.0}
-                if "need_weights" in again:
-                    again["need_weights"] = False
-                mass = step(kernel, q, k, groups, *args, **again)
-                mass = mass[0] if isinstance(mass, tuple) else mass
             with torch.no_grad():
                 rows = mass.transpose(1, 2) if mass.dim() == 4 else mass  # (b, l, h, M)
                 self._add(call, q_tok, rows.reshape(-1, *rows.shape[-2:]))
@@ -247,12 +244,12 @@ class Session:
 
     def install(self, model: nn.Module) -> list:
         """Put the hooks on; returns the functions that take them off."""
-        def pre(name, module, args, kwargs):
+        def pre(name, signature, module, args, kwargs):
             self.tokens.append(next((value for value in (*args, *kwargs.values())
                                      if isinstance(value, Tokens)), None))
-            if isinstance(module, MultiHeadAttention):
+            if signature is not None:  # an mmattn attention module
                 try:
-                    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+                    bound = signature.bind(*args, **kwargs).arguments
                 except TypeError:  # the forward itself will say what is wrong
                     bound = {"key": False}
                 query, key = bound.get("query"), bound.get("key")
@@ -267,11 +264,14 @@ class Session:
 
         undo = []
         for name, module in model.named_modules():
+            attention = isinstance(module, MultiHeadAttention)
+            signature = inspect.signature(module.forward) if attention else None
             undo.append(module.register_forward_pre_hook(
-                lambda *a, name=name: pre(name, *a), with_kwargs=True).remove)
+                lambda *a, name=name, signature=signature: pre(name, signature, *a),
+                with_kwargs=True).remove)
             undo.append(module.register_forward_hook(post, with_kwargs=True,
                                                      always_call=True).remove)
-            if isinstance(module, MultiHeadAttention):
+            if attention:
                 module.attend_rows = self._rows_wrapper(name, module, module.attend_rows)
                 if self.by is not None:
                     module._step = self._step_wrapper(module, module._step)
@@ -288,3 +288,4 @@ class Session:
                 self.close()
 
         return attend_rows
+
