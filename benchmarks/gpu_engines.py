@@ -90,6 +90,21 @@ def dense_kernel(allowed):
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
 
+def pattern_runs(mha, pattern, tokens, hand, hand_batch, cfg):
+    """The contenders of a pattern: mmattn's SparseMask, flex with the hand-written mask_mod
+    (one for every item when ``hand_batch`` is None) and with ``Pattern.mask_mod``, and
+    dense SDPA on ``pattern.dense``."""
+    batch, length, dev, heads = tokens.batch_size, tokens.length, tokens.device, cfg["heads"]
+    sparse = pattern.compile(tokens, block_size=cfg["block"])
+    return {
+        "mmattn": lambda x: mha(x, attn_mask=sparse)[0],
+        "flex hand mask_mod": Projected(mha, flex_kernel(hand, hand_batch, length, dev), heads),
+        "flex Pattern.mask_mod": once(lambda: Projected(mha, flex_kernel(
+            pattern.mask_mod(tokens), batch, length, dev), heads)),
+        "dense SDPA": Projected(mha, dense_kernel(pattern.dense(tokens)[:, None]), heads),
+    }
+
+
 def doc_lengths(length, low, high, gen):
     out, total = [], 0
     while total < length:
@@ -108,19 +123,12 @@ def case_documents(cfg, dev):
     tokens = Tokens(torch.zeros(batch, length, 1, device=dev), meta={"documents": ids})
     pattern = P.same("documents") & P.causal()
     mha = MultiHeadAttention(cfg["dim"], cfg["heads"]).to(dev, cfg["dtype"])
-    sparse = pattern.compile(tokens, block_size=cfg["block"])
     doc = ids
 
     def hand(b, h, q, kv):
         return (doc[b, q] == doc[b, kv]) & (kv <= q)
 
-    runs = {
-        "mmattn": lambda x: mha(x, attn_mask=sparse)[0],
-        "flex hand mask_mod": Projected(mha, flex_kernel(hand, batch, length, dev), cfg["heads"]),
-        "flex Pattern.mask_mod": once(lambda: Projected(mha, flex_kernel(
-            pattern.mask_mod(tokens), batch, length, dev), cfg["heads"])),
-        "dense SDPA": Projected(mha, dense_kernel(pattern.dense(tokens)[:, None]), cfg["heads"]),
-    }
+    runs = pattern_runs(mha, pattern, tokens, hand, batch, cfg)
     if dev.type == "cuda":
         from mmattn.kernels.varlen import runs as find_runs
 
@@ -160,7 +168,6 @@ def case_per_modality(cfg, dev):
                                      "audio": P.window(cfg["pm_window"])},
                              across=P.full())
     mha = MultiHeadAttention(cfg["dim"], cfg["heads"]).to(dev, cfg["dtype"])
-    sparse = pattern.compile(tokens, block_size=cfg["block"])
     t0, t1 = text, text + side * side
     w, half = cfg["pm_window"], 3
 
@@ -177,13 +184,7 @@ def case_per_modality(cfg, dev):
         return (~same) | (txt_q & txt_k & (kv <= q)) | image | \
             (aud_q & aud_k & ((q - kv).abs() <= w))
 
-    runs = {
-        "mmattn": lambda x: mha(x, attn_mask=sparse)[0],
-        "flex hand mask_mod": Projected(mha, flex_kernel(hand, None, length, dev), cfg["heads"]),
-        "flex Pattern.mask_mod": once(lambda: Projected(mha, flex_kernel(
-            pattern.mask_mod(tokens), batch, length, dev), cfg["heads"])),
-        "dense SDPA": Projected(mha, dense_kernel(pattern.dense(tokens)[:, None]), cfg["heads"]),
-    }
+    runs = pattern_runs(mha, pattern, tokens, hand, None, cfg)
     return f"per-modality B={batch}, L={length}", (batch, length), runs, "flex hand mask_mod"
 
 
