@@ -66,7 +66,6 @@ class Available:
         varlen: ``torch.nn.attention.varlen.varlen_attn`` exists.
         varlen_window: it takes ``window_size`` (torch 2.11+).
         varlen_gqa: it takes ``enable_gqa`` (2.12+).
-        varlen_lse: it can return the logsumexp (``return_aux``).
         flex: ``torch.nn.attention.flex_attention`` exists with ``BlockMask.from_kv_blocks``
             and ``return_lse``.
     """
@@ -74,20 +73,18 @@ class Available:
     varlen: bool = False
     varlen_window: bool = False
     varlen_gqa: bool = False
-    varlen_lse: bool = False
     flex: bool = False
 
 
 @functools.cache
 def available() -> Available:
     """The engines of the running torch, detected once from their signatures."""
-    varlen = window = gqa = lse = flex = False
+    varlen = window = gqa = flex = False
     try:
         from torch.nn.attention.varlen import varlen_attn
 
         params = inspect.signature(varlen_attn).parameters
         varlen, window, gqa = True, "window_size" in params, "enable_gqa" in params
-        lse = "return_aux" in params
     except (ImportError, AttributeError, ValueError, TypeError):
         pass
     try:
@@ -97,7 +94,7 @@ def available() -> Available:
             inspect.signature(flex_module.flex_attention).parameters)
     except (ImportError, AttributeError, ValueError, TypeError):
         pass
-    return Available(varlen, window, gqa, lse, flex)
+    return Available(varlen, window, gqa, flex)
 
 
 @dataclass(frozen=True)

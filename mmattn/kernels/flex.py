@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from mmattn.kernels import dense as _kernel
 from mmattn.kernels._scores import default_scale
 from mmattn.kernels.modifiers import Modifiers, join_sink
 
@@ -145,7 +146,7 @@ def flex_attend(
     if slopes is not None and rows is None:
         rows = torch.arange(q.shape[2], device=q.device, dtype=torch.float32)
     if key_mask is not None:  # padding never leaks: 0 · NaN is NaN inside flex too
-        ok = key_mask if key_mask.dtype == torch.bool else ~torch.isneginf(key_mask)
+        ok = _kernel.allowed(key_mask)
         seen = ok if seen is None else seen & ok
     if seen is not None:
         k = torch.where(seen[:, None, :, None], k, 0.0)

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmattn.kernels.varlen import window_size
+
 
 @dataclass(frozen=True)
 class SegmentForm:
@@ -59,5 +61,4 @@ def segment_source(pattern: Any, ctx: Any) -> SegmentSource | None:
     if form is None or form.ids is None:
         return None
     ids = torch.where(ctx.real, form.ids, -1)
-    w = -1 if form.window is None else form.window
-    return SegmentSource(ids, ctx.real, (w, 0 if form.causal else w))
+    return SegmentSource(ids, ctx.real, window_size(form.window, form.causal))
