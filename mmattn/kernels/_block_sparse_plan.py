@@ -146,17 +146,33 @@ def plan_tiles(
     k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
     tile_rows = torch.full((batch * n,), q_tiles.shape[0], dtype=torch.long, device=device)
     tile_rows[q_tiles] = torch.arange(q_tiles.shape[0], device=device)
-    seen = torch.zeros(batch * padded, dtype=torch.bool, device=device)
-    key_rows = (full_tiles[:, 0] * padded + full_tiles[:, 2] * s)[:, None] + offsets
-    seen[key_rows.reshape(-1)] = True  # (rows past L are never read)
-    key_rows = (mixed_tiles[:, 0] * padded + mixed_tiles[:, 2] * s)[:, None] + offsets
-    attended = mixed_masks.view(torch.uint8).amax(dim=1).bool()  # (P, s); amax: the fast one
-    seen[key_rows[attended]] = True  # the keys some query of the tile attends
+    seen, all_seen = seen_keys(batch, length, s, full_tiles, mixed_tiles, mixed_masks)
     total = full_tiles.shape[0] + mixed_tiles.shape[0]
     density = total / (batch * n * n) if batch * n else 0.0
     return TilePlan(batch, length, s, padded, tuple(buckets), q_tiles, k_tiles, tile_rows, seen,
-                    bool(seen.view(batch, padded)[:, :length].all()), density,
-                    CpuPlan((full_tiles, mixed_tiles, mixed_masks, width)))
+                    all_seen, density, CpuPlan((full_tiles, mixed_tiles, mixed_masks, width)))
+
+
+def seen_keys(batch: int, length: int, block: int, full_tiles: Tensor, mixed_tiles: Tensor,
+              mixed_masks: Tensor) -> tuple[Tensor, bool]:
+    """(B padded,) bool: the keys some query may attend (every key of a full tile, the
+    attended columns of a mixed one; rows past L are never read), and whether that is every
+    key of the first L (one host read).
+
+    Shape:
+        - full_tiles: (F, 3), mixed_tiles: (P, 3) (b, query tile, key tile); mixed_masks
+          (P, s, s)
+    """
+    s, device = block, mixed_masks.device
+    padded = ceil_div(length, s) * s
+    offsets = torch.arange(s, device=device)
+    seen = torch.zeros(batch * padded, dtype=torch.bool, device=device)
+    key_rows = (full_tiles[:, 0] * padded + full_tiles[:, 2] * s)[:, None] + offsets
+    seen[key_rows.reshape(-1)] = True
+    key_rows = (mixed_tiles[:, 0] * padded + mixed_tiles[:, 2] * s)[:, None] + offsets
+    attended = mixed_masks.view(torch.uint8).amax(dim=1).bool()  # (P, s); amax: the fast one
+    seen[key_rows[attended]] = True
+    return seen, bool(seen.view(batch, padded)[:, :length].all())
 
 
 def dead_tiles(

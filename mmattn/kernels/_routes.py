@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mmattn._helpers import ceil_div, exporting
 from mmattn._masks_grid import axis_window
+from mmattn.kernels import _block_sparse_plan as _plan
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels import engines
 from mmattn.kernels._neighborhood_plan import ByteCache
@@ -170,19 +171,16 @@ def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q:
     return out, choice
 
 
-def seen_keys(mask: Any) -> Tensor:
-    """(b, l) bool: the keys some query of the SparseMask may attend (cached on the mask):
-    those of its full tiles and the attended columns of its mixed tiles."""
-    def build() -> Tensor:
-        batch, length, s = mask.batch, mask.length, mask.block_size
-        padded = ceil_div(length, s) * s
-        flat = torch.zeros(batch * padded, dtype=torch.bool, device=mask.device)
-        offsets = torch.arange(s, device=mask.device)
-        full, mixed = mask.full_tiles, mask.mixed_tiles
-        flat[((full[:, 0] * padded + full[:, 2] * s)[:, None] + offsets).reshape(-1)] = True
-        rows = (mixed[:, 0] * padded + mixed[:, 2] * s)[:, None] + offsets
-        flat[rows[mask.mixed_masks.any(dim=1)]] = True
-        return flat.view(batch, padded)[:, :length]
+def seen_keys(mask: Any) -> Tensor | None:
+    """(b, l) bool: the keys some query of the SparseMask may attend (the block-sparse plan's
+    :func:`~mmattn.kernels._block_sparse_plan.seen_keys`, cached on the mask); None when
+    that is every key (nothing to clear)."""
+    def build() -> Tensor | None:
+        batch, length = mask.batch, mask.length
+        seen, every = _plan.seen_keys(batch, length, mask.block_size, mask.full_tiles,
+                                      mask.mixed_tiles, mask.mixed_masks)
+        padded = ceil_div(length, mask.block_size) * mask.block_size
+        return None if every else seen.view(batch, padded)[:, :length]
 
     return mask.cached("seen-keys", build)
 
