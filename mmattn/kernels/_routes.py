@@ -13,6 +13,7 @@ device it was asked about, the fallback's reason (:func:`fallback_facts`), for `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ _MASKS = ByteCache(64 * 2**20)
 
 def facts(kind: str, q: Tensor, k: Tensor, v: Tensor, *, groups: int, need_weights: bool,
           dropout_p: float, key_mask: Tensor | None, modifiers: Modifiers | None,
-          global_tokens: bool = False) -> engines.Call:
+          global_tokens: bool = False, banded: bool = False) -> engines.Call:
     """The :class:`~mmattn.kernels.engines.Call` of a kernel's arguments."""
     mods = modifiers if modifiers else None
     params = [q, k, v] + ([] if mods is None else [mods.sinks, mods.slopes])
@@ -48,7 +49,7 @@ def facts(kind: str, q: Tensor, k: Tensor, v: Tensor, *, groups: int, need_weigh
         kind=kind, device=q.device.type, dtype=q.dtype, head_dim=int(q.shape[-1]),
         groups=groups, need_weights=need_weights, dropout=dropout_p > 0,
         fused=_kernel.use_fused_attn(), key_mask=key_mask is not None, modifiers=names,
-        grad=grad, traced=traced, global_tokens=global_tokens,
+        grad=grad, traced=traced, global_tokens=global_tokens, banded=banded,
     )
 
 
@@ -158,7 +159,7 @@ def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q:
     if not engines.considered(q.device):
         return None, None
     call = facts("segments", q, k, v, groups=groups, need_weights=False, dropout_p=dropout_p,
-                 key_mask=None, modifiers=None)
+                 key_mask=None, modifiers=None, banded=is_causal)
     choice = engines.select(call, allowed=tuple(
         e for e in (engines.forced() or engines.ENGINES) if e != "flex"))
     if choice.engine != "varlen":
@@ -198,15 +199,16 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
     if not engines.considered(q.device):
         return None, None
     source = getattr(mask, "segment_source", None)
-    if source is not None and key_mask is not None and key_mask.dtype == torch.bool and \
-            torch.equal(key_mask, source.real):  # the tokens' own padding: in the runs
-        segment_mask = None
-    else:
-        segment_mask = key_mask
+    # a bool key mask may be the tokens' own padding, which the runs hold: compared (a host
+    # read) only when varlen would take the call without it
+    own = source is not None and key_mask is not None and key_mask.dtype == torch.bool
+    banded = source is not None and (is_causal or source.window != (-1, -1))
     call = facts("segments" if source is not None else "blocks", q, k, v, groups=groups,
-                 need_weights=need_weights, dropout_p=dropout_p, key_mask=segment_mask,
-                 modifiers=modifiers)
+                 need_weights=need_weights, dropout_p=dropout_p,
+                 key_mask=None if own else key_mask, modifiers=modifiers, banded=banded)
     choice = engines.select(call)
+    if own and choice.engine == "varlen" and not torch.equal(key_mask, source.real):
+        choice = engines.select(dataclasses.replace(call, key_mask=True))
     if choice.engine == "varlen":
         from mmattn.kernels.varlen import segment_runs
 
@@ -221,9 +223,9 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
             report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal,
                    scale=scale, groups=groups, density=mask.density, block=mask.block_size)
             return out, choice
-        call = facts("blocks", q, k, v, groups=groups, need_weights=need_weights,
-                     dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers)
-        choice = engines.select(call)  # the segments are not contiguous runs
+        # the segments are not contiguous runs
+        choice = engines.select(dataclasses.replace(
+            call, kind="blocks", key_mask=key_mask is not None, banded=False))
     if choice.engine != "flex":
         return None, choice
     try:

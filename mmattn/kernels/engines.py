@@ -114,6 +114,8 @@ class Call:
         grad: autograd will run backward through the call.
         traced: exporting or a symbolic shape (the engines take concrete data).
         global_tokens: a "window" call with global tokens (flex, not varlen).
+        banded: a "segments" call that passes varlen a ``window_size`` too (the causal rule
+            or a window inside the runs); every "window" call does.
     """
 
     kind: str
@@ -129,6 +131,7 @@ class Call:
     grad: bool = False
     traced: bool = False
     global_tokens: bool = False
+    banded: bool = False
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,7 @@ def _varlen_refusal(call: Call, have: Available) -> str | None:
         return "torch has no torch.nn.attention.varlen.varlen_attn"
     if call.device != "cuda":
         return "varlen_attn is CUDA-only"
-    if call.kind == "window" and not have.varlen_window:
+    if (call.kind == "window" or call.banded) and not have.varlen_window:
         return "varlen_attn has no window_size in this torch"
     if call.dtype not in _HALF:
         return f"varlen_attn (flash) takes float16/bfloat16, not {str(call.dtype)[6:]}"

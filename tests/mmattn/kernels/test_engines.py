@@ -34,6 +34,8 @@ def call(kind="window", device="cuda", dtype=BF16, **kw) -> Call:
     (call(modifiers=("sinks",)), ALL, "flex", "no score modifiers (sinks)"),
     (call(key_mask=True), ALL, "flex", "no key padding mask"),
     (call(), Available(varlen=True, flex=True), "flex", "no window_size"),
+    (call("segments", banded=True), Available(varlen=True, flex=True), "flex", "no window_size"),
+    (call("segments"), Available(varlen=True, flex=True), "varlen", "varlen_attn"),
     (call(), NONE, "fallback", "no flex_attention"),
     (call(need_weights=True), ALL, "fallback", "need_weights=True"),
     (call(dropout=True), ALL, "fallback", "dropout"),
