@@ -136,11 +136,6 @@ def plan_tiles(
     s, n = block, ceil_div(length, block)
     padded, device = n * s, mixed_masks.device
     buckets = bucketize(batch, length, s, full_tiles, mixed_tiles, mixed_masks, width)
-    if buckets:  # which buckets have a row without any key: one read for all of them
-        dead = dead_tiles(batch * n, s, full_tiles, mixed_tiles, mixed_masks, n)
-        flags = torch.stack([dead[bk.q_tiles].any() for bk in buckets]).tolist()
-        for bucket, has_dead in zip(buckets, flags):
-            bucket.all_live = not has_dead
     offsets = torch.arange(s, device=device)
     q_tiles = torch.cat([bk.q_tiles for bk in buckets]) if buckets else offsets[:0]
     k_tiles = torch.cat([bk.k_tiles for bk in buckets]) if buckets else offsets[:0]
@@ -173,19 +168,6 @@ def seen_keys(batch: int, length: int, block: int, full_tiles: Tensor, mixed_til
     attended = mixed_masks.view(torch.uint8).amax(dim=1).bool()  # (P, s); amax: the fast one
     seen[key_rows[attended]] = True
     return seen, bool(seen.view(batch, padded)[:, :length].all())
-
-
-def dead_tiles(
-    count: int, s: int, full_tiles: Tensor, mixed_tiles: Tensor, mixed_masks: Tensor, n: int,
-) -> Tensor:
-    """(b n,) bool: the query tiles with a row that none of their key tiles allows (a full
-    tile allows every row; a mixed tile the rows its mask has a True in)."""
-    live = torch.zeros(count, s, dtype=torch.uint8, device=mixed_masks.device)
-    rows = mixed_masks.view(torch.uint8).amax(dim=2)  # (P, s)
-    index = (mixed_tiles[:, 0] * n + mixed_tiles[:, 1])[:, None].expand_as(rows)
-    live.scatter_reduce_(0, index, rows, "amax")
-    live[full_tiles[:, 0] * n + full_tiles[:, 1]] = 1
-    return (live == 0).any(dim=1)
 
 
 def bucketize(
@@ -235,6 +217,10 @@ def bucketize(
             slots=torch.stack([b[:, None].expand_as(kj), qi[:, None].expand_as(kj), kj], -1),
             allowed=allowed.permute(0, 2, 1, 3).reshape(qt.shape[0], 1, s, c * s),
         ))
+    if buckets:  # which buckets have a row without any key: one read for all of them
+        flags = torch.stack([bk.allowed.any(dim=-1).all() for bk in buckets]).tolist()
+        for bucket, live in zip(buckets, flags):
+            bucket.all_live = live
     return buckets
 
 
