@@ -60,11 +60,17 @@ def report(choice: engines.Choice, path: str, **facts_: Any) -> None:
                        kernel=path, **facts_)
 
 
+def fallback(choice: engines.Choice | None) -> dict[str, str]:
+    """The report facts of a fallback kernel: the engine "fallback" and why (none when no
+    engine was considered)."""
+    return {} if choice is None else {"engine": "fallback", "engine_reason": choice.reason}
+
+
 def fallback_facts(choice: engines.Choice | None) -> contextlib.AbstractContextManager:
-    """Inside: every report of the fallback kernel carries the engine "fallback" and why."""
+    """Inside: every report of the fallback kernel carries :func:`fallback`'s facts."""
     if choice is None or not _kernel.reporting():
         return contextlib.nullcontext()
-    return _kernel.report_facts(engine="fallback", engine_reason=choice.reason)
+    return _kernel.report_facts(**fallback(choice))
 
 
 def block_mask(key: tuple, make_mod: Callable[[], Callable], length: int,

@@ -136,8 +136,7 @@ def local_attend(
             groups=groups, modifiers=mods, scale=scale)
         if out is not None:
             return out, None
-        if choice is not None:  # explain: the fallback ran, and why
-            facts.update(engine="fallback", engine_reason=choice.reason)
+        facts.update(_routes.fallback(choice))  # explain: the fallback ran, and why
     if length == 0 or batch == 0:
         if _kernel.reporting():
             _kernel.report("local", reasons, q=q, k=k, v=v, mask=key_mask, **facts)

@@ -312,10 +312,9 @@ def neighborhood_attend(
         if out is not None:
             return out, None
     if _kernel.reporting():
-        engine = {} if choice is None else {"engine": "fallback",
-                                            "engine_reason": choice.reason}
         _kernel.report(
-            "neighborhood", _kernel.explicit_reasons(need_weights, modifiers), **engine,
+            "neighborhood", _kernel.explicit_reasons(need_weights, modifiers),
+            **_routes.fallback(choice),
             q=q, k=k, v=v,
             mask=key_mask, dropout_p=dropout_p, is_causal=False, scale=scale,
             kernel_size=kernel, dilation=dilation, num_global_tokens=num_global_tokens,
