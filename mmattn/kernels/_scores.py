@@ -16,6 +16,11 @@ from einops import rearrange
 from torch import Tensor
 
 
+def acc_dtype(q: Tensor) -> torch.dtype:
+    """The dtype scores and sums are kept in: float32, or float64 for double inputs."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def default_scale(q: Tensor, scale: float | None) -> float:
     """``scale``, or the default ``1 / sqrt(e)`` of q's head width (1 when e = 0): the one
     default every kernel and engine uses.

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmattn.kernels._scores import default_scale
+from mmattn.kernels._scores import acc_dtype, default_scale
 from mmattn.kernels.dense import explicit_reasons, report, reporting, use_fused_attn
 
 
@@ -100,11 +100,6 @@ def explicit_attend(
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc)
     out = out.index_add(0, dst, dropped[..., None] * v[src].to(acc))
     return out.to(q.dtype), weights
-
-
-def acc_dtype(q: Tensor) -> torch.dtype:
-    """The dtype scores and sums are kept in: float32, or float64 for double inputs."""
-    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _sparse_csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmattn.kernels._scores import default_scale
-from mmattn.kernels._segment import EdgeAttend, acc_dtype, segment_softmax
+from mmattn.kernels._scores import acc_dtype, default_scale
+from mmattn.kernels._segment import EdgeAttend, segment_softmax
 from mmattn.kernels._tiles import Weights, modifiers_of
 from mmattn.kernels.dense import explicit_reasons, report, reporting, use_fused_attn
 from mmattn.kernels.modifiers import Modifiers

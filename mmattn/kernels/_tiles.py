@@ -78,10 +78,6 @@ def modifiers_of(record: dict) -> Modifiers | None:
     return Modifiers(sinks=mods.sinks, softcap=mods.softcap) if mods else None
 
 
-def acc(t: Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
-
 def weights(tile: Tile) -> Tensor:
     """The exact (n, h, r, j) weights of a tile, from the explicit path
     (:func:`mmattn.kernels.dense.attend` with ``need_weights``, or its softmax on additive

@@ -52,8 +52,8 @@ from mmattn.kernels._block_sparse_plan import (  # noqa: F401 (the plan's names,
     bucketize,
     plan_tiles,
 )
-from mmattn.kernels._scores import default_scale
-from mmattn.kernels._tiles import Tile, acc, modifiers_of, split_mask
+from mmattn.kernels._scores import acc_dtype, default_scale
+from mmattn.kernels._tiles import Tile, modifiers_of, split_mask
 from mmattn.kernels.modifiers import FLASH_DTYPES, Modifiers
 
 
@@ -351,7 +351,7 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
         return torch.where(pos < length, flat // padded * length + pos, -1).view(tiles, -1)
 
     for bucket in plan.buckets:
-        mask, terms = explicit_mask(bucket, call, padded, acc(q))
+        mask, terms = explicit_mask(bucket, call, padded, acc_dtype(q))
         allowed, bias = split_mask(mask)
         alibi = None if terms is None else terms.bias
         bias = alibi if bias is None else bias if alibi is None else bias + alibi

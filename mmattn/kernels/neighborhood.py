@@ -54,12 +54,11 @@ from mmattn.kernels._neighborhood_plan import (
     merge_key_mask,
 )
 from mmattn.kernels._neighborhood_terms import grid_coords, pair_terms
-from mmattn.kernels._scores import default_scale
+from mmattn.kernels._scores import acc_dtype, default_scale
 from mmattn.kernels._tiles import (
     TILE_ELEMENTS,
     Tile,
     Unsupported,
-    acc,
     modifiers_of,
 )
 from mmattn.kernels.modifiers import Modifiers
@@ -404,6 +403,6 @@ def _grid_term(record: dict, items, total: int, q: Tensor):
 
     def term(q_rows: Tensor, k_rows: Tensor) -> Tensor:
         return pair_terms(coords, q_rows, k_rows, slopes=slopes, table=table, kernel=kernel,
-                          dilation=dilation, dtype=acc(q))
+                          dilation=dilation, dtype=acc_dtype(q))
 
     return term
