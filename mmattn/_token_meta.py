@@ -107,7 +107,7 @@ def _bound(name: str, value: object, batch: int, device: Any) -> Tensor:
     return torch.full((batch,), int(value), dtype=torch.long, device=device)
 
 
-def to_packed(meta: dict, mask: Tensor) -> dict:
+def to_packed(meta: dict, mask: Tensor, lengths: Tensor | None = None) -> dict:
     """``meta`` with its spans and (b, l) per-token tensors moved to the packed positions.
 
     After packing, the real tokens of a span are contiguous: span ``(start, stop)`` of item
@@ -116,9 +116,15 @@ def to_packed(meta: dict, mask: Tensor) -> dict:
     integers) or 0; keys in :data:`NOT_PER_TOKEN` and nested dicts stay as they are.
 
     Shape:
-        - mask: (b, l) bool, True at real tokens
+        - mask: (b, l) bool, True at real tokens; lengths: (b,) its sums, when known
     """
     batch, length = mask.shape
+    moving = [key for key, value in meta.items()
+              if key not in NOT_PER_TOKEN and key != "spans" and isinstance(value, Tensor)
+              and value.dim() == 2 and tuple(value.shape) == (batch, length)
+              and not value.is_nested]
+    if meta.get("spans") is None and not moving:
+        return meta  # nothing per token: no work, no host read
     out = dict(meta)
     if meta.get("spans") is not None:
         before = F.pad(mask.long().cumsum(1), (1, 0))  # (b, l + 1) real tokens before p
@@ -127,15 +133,15 @@ def to_packed(meta: dict, mask: Tensor) -> dict:
             key: tuple(before.gather(1, bound[:, None])[:, 0] for bound in bounds)
             for key, bounds in spans.items()
         }
-    lengths = mask.sum(dim=1)
+    if not moving:
+        return out
+    lengths = mask.sum(dim=1) if lengths is None else lengths
     longest = int(lengths.max()) if batch else 0
     kept = torch.arange(longest, device=mask.device) < lengths[:, None]  # (b, j)
-    for key, value in meta.items():
-        if key in NOT_PER_TOKEN or key == "spans" or not isinstance(value, Tensor):
-            continue
-        if value.dim() == 2 and tuple(value.shape) == (batch, length) and not value.is_nested:
-            signed = is_integer_dtype(value.dtype) and value.dtype != torch.uint8
-            moved = value.new_full((batch, longest), -1 if signed else 0)
-            moved[kept.to(value.device)] = value[mask.to(value.device)]
-            out[key] = moved
+    for key in moving:
+        value = meta[key]
+        signed = is_integer_dtype(value.dtype) and value.dtype != torch.uint8
+        moved = value.new_full((batch, longest), -1 if signed else 0)
+        moved[kept.to(value.device)] = value[mask.to(value.device)]
+        out[key] = moved
     return out

@@ -203,7 +203,7 @@ class Tokens:
         offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
         meta = self.meta
         if self.mask is not None:  # without padding every position stays where it is
-            meta = _token_meta.to_packed(meta, self.mask)
+            meta = _token_meta.to_packed(meta, self.mask, lengths)
         meta = _edges_to_packed(meta, self.full_mask())
         return Tokens(_jagged.jagged(values, offsets), None, meta)
 

@@ -69,7 +69,7 @@ def on_padded(tokens: Tokens, run: Callable[[Tokens], Tokens]) -> Tokens:
     if not tokens.is_packed:
         return run(tokens)
     out = run(tokens.unpack())
-    return tokens.replace(out.pack().x)
+    return tokens.replace(Tokens(out.x, out.mask).pack().x)  # only x: its meta is tokens'
 
 
 def block_forward(block: nn.Module, tokens: Tokens, attn_mask: Any, cache: Any) -> Tokens:
