@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmattn._helpers import exporting
 from mmattn.kernels import dense as _dense
 from mmattn.kernels._block_sparse_cpu import TileAttention, rectangles
 from mmattn.kernels._block_sparse_plan import (  # noqa: F401 (the plan's names, re-exported)
@@ -53,8 +52,8 @@ from mmattn.kernels._block_sparse_plan import (  # noqa: F401 (the plan's names,
     plan_tiles,
 )
 from mmattn.kernels._scores import acc_dtype, default_scale
-from mmattn.kernels._tiles import Tile, modifiers_of, split_mask
-from mmattn.kernels.modifiers import FLASH_DTYPES, Modifiers
+from mmattn.kernels._tiles import Tile, modifiers_of
+from mmattn.kernels.modifiers import Modifiers, cpu_flash_ok, with_bias
 
 
 def tiled(rows: Tensor, block: int) -> Tensor:
@@ -130,11 +129,8 @@ def choose_path(q: Tensor, v: Tensor, explicit: bool, dropout_p: float,
     """The path of a call: ``"cpu-flash"`` (:class:`~mmattn.kernels._block_sparse_cpu.
     TileAttention`, torch's CPU flash kernel on rectangles and buckets, memory-lean) where it
     can run, else ``"buckets"`` (one batched call of :mod:`mmattn.kernels.dense` a bucket)."""
-    cpu_flash = (
-        not explicit and dropout_p == 0.0 and q.device.type == "cpu" and q.dtype in FLASH_DTYPES
-        and q.shape[-1] == v.shape[-1] and not exporting()
-        and not (key_add is not None and key_add.requires_grad)
-    )
+    cpu_flash = not explicit and q.shape[-1] == v.shape[-1] and cpu_flash_ok(q, key_add,
+                                                                             dropout_p)
     return "cpu-flash" if cpu_flash else "buckets"
 
 
@@ -245,11 +241,7 @@ def explicit_mask(bucket: Bucket, call: Call, padded: int,
     allowed = bucket.allowed
     if call.extra:
         allowed = _call_allowed(bucket, allowed, call.key_ok, call.is_causal, padded)
-    mask = allowed
-    if call.key_add is not None:
-        width = bucket.k_rows.shape[0] // bucket.tiles
-        mask = torch.where(allowed, 0.0, float("-inf")).to(dtype)
-        mask = mask + call.key_add[bucket.k_rows].view(bucket.tiles, 1, 1, width).to(dtype)
+    mask = with_bias(allowed, _key_term(bucket, call, dtype))
     mods = call.mods
     return mask, (None if mods is None else mods.with_terms(
         alibi_term(bucket, mods, padded, dtype)))
@@ -277,10 +269,15 @@ def _fused_mask(bucket: Bucket, call: Call, padded: int,
         return bucket.fused_mask(dtype)
     allowed = _call_allowed(bucket, bucket.allowed, call.key_ok, call.is_causal, padded)
     mask, live = additive(allowed, dtype)
-    if call.key_add is not None:
-        width = bucket.k_rows.shape[0] // bucket.tiles
-        mask = mask + call.key_add[bucket.k_rows].view(bucket.tiles, 1, 1, width).to(dtype)
-    return mask, live
+    return with_bias(mask, _key_term(bucket, call, dtype)), live
+
+
+def _key_term(bucket: Bucket, call: Call, dtype: torch.dtype) -> Tensor | None:
+    """The call's float key mask on a bucket's key rows, (N, 1, 1, c s); None without."""
+    if call.key_add is None:
+        return None
+    width = bucket.count * bucket.block
+    return call.key_add[bucket.k_rows].view(bucket.tiles, 1, 1, width).to(dtype)
 
 
 def _key_rows(key_mask: Tensor | None, padded: int) -> tuple[Tensor | None, Tensor | None]:
@@ -342,8 +339,8 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
     """
     q, k, plan = record["q"], record["k"], record["plan"]
     length, width, padded, s = q.shape[2], q.shape[3], plan.padded, plan.block
-    call = Call.of(record.get("key_mask"), bool(record.get("is_causal")), padded)
-    call = call._replace(mods=record.get("modifiers"))
+    call = Call.of(record.get("key_mask"), bool(record.get("is_causal")), padded,
+                   mods=record.get("modifiers"))
     q2, k2 = (_rows(x, padded).view(-1, x.shape[1], width) for x in (q, k))
 
     def ids(flat: Tensor, tiles: int) -> Tensor:  # padded rows -> b·l + i, -1 past the end
@@ -352,11 +349,9 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
 
     for bucket in plan.buckets:
         mask, terms = explicit_mask(bucket, call, padded, acc_dtype(q))
-        allowed, bias = split_mask(mask)
-        alibi = None if terms is None else terms.bias
-        bias = alibi if bias is None else bias if alibi is None else bias + alibi
         yield Tile(q2[bucket.q_rows].view(bucket.tiles, s, *q2.shape[1:]).transpose(1, 2),
                    k2[bucket.k_rows].view(bucket.tiles, -1, *k2.shape[1:]).transpose(1, 2),
-                   allowed, bias, default_scale(q, record.get("scale")),
+                   mask, None if terms is None else terms.bias,
+                   default_scale(q, record.get("scale")),
                    ids(bucket.q_rows, bucket.tiles), ids(bucket.k_rows, bucket.tiles),
                    mods=modifiers_of(record))

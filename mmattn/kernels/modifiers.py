@@ -283,13 +283,14 @@ def sink_sdpa(
             mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     rows = sinks[None, :, None, None]
-    if _lse_ok(q, mask, dropout_p):
+    if cpu_flash_ok(q, mask, dropout_p):
         return _LseSink.apply(q, k, v, rows, mask, is_causal, scale)
     return _sink_key(q, k, v, mask, rows, dropout_p, is_causal, scale, groups)
 
 
-def _lse_ok(q: Tensor, mask: Tensor | None, dropout_p: float) -> bool:
-    """Whether torch's CPU flash kernel (which returns the logsumexp) takes this call."""
+def cpu_flash_ok(q: Tensor, mask: Tensor | None, dropout_p: float) -> bool:
+    """Whether torch's CPU flash kernel (which returns the logsumexp) takes this call: the
+    one test of it (the sinks' path here, block-sparse's CPU path)."""
     return (
         q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in FLASH_DTYPES
         and not exporting() and not (mask is not None and mask.requires_grad)
