@@ -53,12 +53,11 @@ from mmattn.kernels._neighborhood_plan import (
     choose_tiles,
     merge_key_mask,
 )
-from mmattn.kernels._neighborhood_terms import grid_coords, pair_terms
+from mmattn.kernels._neighborhood_terms import pair_terms, plan_coords
 from mmattn.kernels._scores import acc_dtype, default_scale
 from mmattn.kernels._tiles import (
     TILE_ELEMENTS,
     Tile,
-    Unsupported,
     modifiers_of,
 )
 from mmattn.kernels.modifiers import Modifiers
@@ -341,7 +340,7 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
     rows against every key of the item.
     """
     q, k, key_mask = record["q"], record["k"], record.get("mask")
-    plan, items = record.get("plan"), record.get("items")
+    plan = record.get("plan")
     kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
     if plan is None:  # the padded form: a plan over every item of the batch
         batch, _, length, _ = q.shape
@@ -354,7 +353,7 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
         key_mask = None if key_mask is None else key_mask.reshape(-1)
     rows, heads, _ = q.shape
     scale, mods = default_scale(q, record.get("scale")), modifiers_of(record)
-    term = _grid_term(record, items, rows, q)
+    term = _grid_term(record, plan, q)
     qz = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row ``rows``: none
     kz = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
     km = None
@@ -388,17 +387,15 @@ def _keys(km: Tensor | None, index: Tensor, width: int) -> Tensor | None:
     return None if km is None else rearrange(km[index], "(n t) -> n 1 1 t", t=width)
 
 
-def _grid_term(record: dict, items, total: int, q: Tensor):
+def _grid_term(record: dict, plan: Plan, q: Tensor):
     """(query rows (n, s), key rows (n, t)) -> (n, h, s, t): the report's grid ALiBi and
-    table between the cells of a chunk's rows (:func:`._neighborhood_terms.pair_terms`),
-    or None."""
+    table between the cells of a chunk's rows (:func:`._neighborhood_terms.pair_terms`, on
+    the cells of the plan's rows), or None."""
     mods, table = record.get("modifiers"), record.get("position_bias")
     slopes = mods.slopes if mods else None
     if slopes is None and table is None:
         return None
-    if items is None:
-        raise Unsupported("a neighbourhood report with ALiBi or a table but not its items")
-    coords = grid_coords(total, tuple(items), q.device)
+    coords = plan_coords(plan)
     kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
 
     def term(q_rows: Tensor, k_rows: Tensor) -> Tensor:
