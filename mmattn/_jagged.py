@@ -52,6 +52,19 @@ def contiguous_parts(nt: Tensor) -> tuple[Tensor, Tensor]:
     return values, offsets
 
 
+def runs_of(ids: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """(counts, starts), each (size,): how many of the sorted ``ids`` (values in 0 .. size-1)
+    equal each value, and where that run starts (a fixed-size index_add, no host read).
+
+    Examples:
+        >>> [t.tolist() for t in runs_of(torch.tensor([0, 0, 2]), 4)]
+        [[2, 0, 1, 0], [0, 2, 2, 3]]
+    """
+    counts = torch.zeros(size, dtype=torch.long, device=ids.device)
+    counts.index_add_(0, ids, torch.ones_like(ids))
+    return counts, torch.cumsum(counts, 0) - counts
+
+
 def owners(offsets: Tensor, total: int) -> Tensor:
     """(t,) long: the item each packed row belongs to."""
     batch = offsets.shape[0] - 1

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from mmattn._helpers import ceil_div
+from mmattn._jagged import runs_of
 from mmattn.kernels import dense as _dense
 from mmattn.kernels import packed as _packed
 from mmattn.kernels._block_sparse_cpu import CpuPlan
@@ -185,8 +186,7 @@ def bucketize(
     query_tile = tiles[:, 0] * n + tiles[:, 1]
     order = torch.argsort(query_tile * n + tiles[:, 2])
     tiles, kind, query_tile = tiles[order], kind[order], query_tile[order]
-    counts = torch.bincount(query_tile, minlength=batch * n)
-    starts = torch.cumsum(counts, 0) - counts
+    counts, starts = runs_of(query_tile, batch * n)
     busy = counts.nonzero().squeeze(1)
     busy = busy[torch.argsort(counts[busy], descending=True, stable=True)]
     groups = _groups(busy, counts[busy].tolist(), s)

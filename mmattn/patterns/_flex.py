@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmattn._jagged import runs_of
+
 #: The smallest tile FlexAttention runs exactly: torch 2.14's compiled CPU kernel gives wrong
 #: numbers at BLOCK_SIZE=8 (even from its own create_block_mask); 16 and above are right.
 MIN_FLEX_BLOCK = 16
@@ -50,9 +52,7 @@ def kv_blocks(tiles: Tensor, batch: int, n: int) -> tuple[Tensor, Tensor]:
     rows = tiles[:, 0] * n + tiles[:, 1]  # flat (b, query tile)
     order = torch.argsort(rows * n + tiles[:, 2])
     rows, cols = rows[order], tiles[order, 2]
-    counts = torch.zeros(batch * n, dtype=torch.long, device=device)
-    counts.index_add_(0, rows, torch.ones_like(rows))
-    starts = torch.cumsum(counts, 0) - counts
+    counts, starts = runs_of(rows, batch * n)
     rank = torch.arange(rows.shape[0], device=device) - starts[rows]
     indices = torch.zeros(batch * n, n, dtype=torch.int32, device=device)
     indices[rows, rank] = cols.to(torch.int32)

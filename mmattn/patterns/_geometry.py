@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from mmattn import _checks as checks
+from mmattn._jagged import runs_of
 from mmattn._masks_grid import axis_window
 from mmattn.patterns._attributes import Modality, _names
 from mmattn.patterns._base import Bound, Pattern
@@ -130,9 +131,7 @@ def edge_rows(ctx: TokenContext) -> tuple[Tensor, Tensor, Tensor, int]:
     keys = ctx.edges()  # sorted (b * L + target) * L + source
     length = max(ctx.length, 1)
     rows, sources = keys // length, keys % length
-    counts = torch.zeros(ctx.batch * ctx.length, dtype=torch.long, device=ctx.device)
-    counts.index_add_(0, rows, torch.ones_like(rows))
-    starts = torch.cumsum(counts, 0) - counts
+    counts, starts = runs_of(rows, ctx.batch * ctx.length)
     degree = int(counts.max()) if counts.numel() else 0
     if sources.numel() == 0:  # a lookup table that the rule may read (count 0: never hits)
         sources = torch.zeros(1, dtype=torch.long, device=ctx.device)
