@@ -71,7 +71,8 @@ def runs(ids: Tensor) -> Runs:
     """The runs of equal id in each row of ``ids`` (B, L) (negative ids: no segment).
 
     A run never crosses a row; a stretch of negative ids is one run too (its rows are dead).
-    One host sync (the offsets and the longest run become Python data), once per mask.
+    A few host reads (the run starts, the largest id, the contiguity check, the longest
+    run: Python data for varlen), once per mask (segment_runs caches the result on it).
 
     Examples:
         >>> r = runs(torch.tensor([[0, 0, 1, 1, 1, -1], [4, 4, 4, 4, 2, 2]]))
