@@ -171,6 +171,19 @@ def seen_keys(batch: int, length: int, block: int, full_tiles: Tensor, mixed_til
     return seen, bool(seen.view(batch, padded)[:, :length].all())
 
 
+def dead_tiles(
+    count: int, s: int, full_tiles: Tensor, mixed_tiles: Tensor, mixed_masks: Tensor, n: int,
+) -> Tensor:
+    """(b n,) bool: the query tiles with a row that none of their key tiles allows (a full
+    tile allows every row; a mixed tile the rows its mask has a True in)."""
+    live = torch.zeros(count, s, dtype=torch.uint8, device=mixed_masks.device)
+    rows = mixed_masks.view(torch.uint8).amax(dim=2)  # (P, s)
+    index = (mixed_tiles[:, 0] * n + mixed_tiles[:, 1])[:, None].expand_as(rows)
+    live.scatter_reduce_(0, index, rows, "amax")
+    live[full_tiles[:, 0] * n + full_tiles[:, 1]] = 1
+    return (live == 0).any(dim=1)
+
+
 def bucketize(
     batch: int, length: int, s: int, full_tiles: Tensor, mixed_tiles: Tensor,
     mixed_masks: Tensor, width: int,
@@ -218,9 +231,10 @@ def bucketize(
             allowed=allowed.permute(0, 2, 1, 3).reshape(qt.shape[0], 1, s, c * s),
         ))
     if buckets:  # which buckets have a row without any key: one read for all of them
-        flags = torch.stack([bk.allowed.any(dim=-1).all() for bk in buckets]).tolist()
-        for bucket, live in zip(buckets, flags):
-            bucket.all_live = live
+        dead = dead_tiles(batch * n, s, full_tiles, mixed_tiles, mixed_masks, n)
+        flags = torch.stack([dead[bk.q_tiles].any() for bk in buckets]).tolist()
+        for bucket, has_dead in zip(buckets, flags):
+            bucket.all_live = not has_dead
     return buckets
 
 
