@@ -60,6 +60,7 @@ def run_tiles(
     Shape:
         - q: (c, r, h, e); k, v: (c, r, k, e) / (c, r, k, e_v); key_mask: (c, r) bool
           (True = real key) or float (added), or None; table: ((2 kh − 1)(2 kw − 1), h)
+          (a 2-D plan)
         - returns: (c, r, h, e_v), and weights (c, r, h, plan.width) or None
     """
     copies, _, heads, _ = q.shape
@@ -153,10 +154,11 @@ def attend_padded(
     k: Tensor,
     v: Tensor,
     items: tuple[Item, ...],
-    kernel: tuple[int, int],
-    dilation: tuple[int, int],
-    tiles: tuple[int, int] | None,
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    tiles: tuple[int, ...] | None,
     *,
+    causal: tuple[bool, ...] | None = None,
     shared: bool,
     key_mask: Tensor | None = None,
     dropout_p: float = 0.0,
@@ -167,8 +169,8 @@ def attend_padded(
 ) -> tuple[Tensor, Tensor | None]:
     """Neighbourhood attention of a padded batch: with ``shared`` the one item of ``items``
     is every item's geometry (one plan for all), else ``items`` lists every item; ``tiles``
-    None: :func:`~mmattn.kernels.neighborhood.choose_tiles`; ``modifiers``, ``table``: as
-    :func:`run_tiles`.
+    None: :func:`~mmattn.kernels.neighborhood.choose_tiles`; ``causal``: per axis (None:
+    none); ``modifiers``, ``table``: as :func:`run_tiles`.
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e); key_mask: (b, l) or None
@@ -176,11 +178,12 @@ def attend_padded(
     """
     batch = q.shape[0]
     if shared:
-        plan = shared_plan(items[0], kernel, dilation, tiles, q.device)
+        plan = shared_plan(items[0], kernel, dilation, tiles, q.device, causal)
         rows = [rearrange(t, "b h l e -> b l h e") for t in (q, k, v)]
     else:
         tiles = tiles or choose_tiles(items, kernel, dilation)
-        plan = cached_plan(batch * q.shape[2], items, kernel, dilation, tiles, q.device)
+        plan = cached_plan(batch * q.shape[2], items, kernel, dilation, tiles, q.device,
+                           causal)
         rows = [rearrange(t, "b h l e -> 1 (b l) h e") for t in (q, k, v)]
         key_mask = None if key_mask is None else key_mask.reshape(1, -1)
     out, weights = run_tiles(
