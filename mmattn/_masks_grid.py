@@ -23,7 +23,7 @@ from mmattn._checks import (
     check_positive_int,
 )
 
-__all__ = ["neighborhood_mask", "axis_window", "check_window"]
+__all__ = ["neighborhood_mask", "axis_window", "check_window", "window_axes", "grid_window"]
 
 
 def axis_window(
@@ -70,6 +70,51 @@ def check_window(
         check_axes("dilation", dilation, axes, grid=grid),
         check_axes("causal", causal, axes, flag=True, grid=grid),
     )
+
+
+def window_axes(
+    kernel_size: object, dilation: object, causal: object
+) -> tuple[int | None, tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]]:
+    """A layer's or pattern's window, checked before any grid is known: (the number of grid
+    axes its tuples fix, or None when all three are one value for every axis; per-axis
+    kernel, dilation and causal, as pairs when the axes are not fixed).
+
+    Raises:
+        TypeError: a kernel or dilation that is not an int or a tuple of ints, a causal
+            that is not a bool or a tuple of bools.
+        ValueError: tuples of different lengths (the message names them), an even kernel,
+            a kernel or dilation < 1.
+    """
+    given = {name: len(value) for name, value in (
+        ("kernel_size", kernel_size), ("dilation", dilation), ("causal", causal))
+        if isinstance(value, (tuple, list))}
+    if len(set(given.values())) > 1:
+        raise ValueError(
+            "kernel_size, dilation and causal must have one entry per grid axis, the same "
+            f"number each: got {given}"
+        )
+    axes = next(iter(given.values()), None)
+    return axes, check_window((1,) * (axes or 2), kernel_size, dilation, causal)
+
+
+def grid_window(
+    axes: int | None, kernel: tuple[int, ...], dilation: tuple[int, ...],
+    causal: tuple[bool, ...], grid: tuple[int, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
+    """The per-axis window (from :func:`window_axes`) on a ``grid``: its one value on every
+    axis when ``axes`` is None, else its tuples, which must have one entry per side.
+
+    Raises:
+        ValueError: a grid of another number of axes than the window's (naming both).
+    """
+    if axes is None:  # one value for every axis: as many as the grid has
+        return check_window(grid, kernel[0], dilation[0], causal[0])
+    if len(grid) != len(kernel):
+        raise ValueError(
+            f"grid must have one side per axis of kernel_size {tuple(kernel)}: expected "
+            f"{len(kernel)} sides, got grid {tuple(grid)}"
+        )
+    return tuple(kernel), tuple(dilation), tuple(causal)
 
 
 def neighborhood_mask(

@@ -14,7 +14,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from mmattn._masks_grid import check_window
+from mmattn._masks_grid import grid_window, window_axes  # noqa: F401 (the layer's)
 from mmattn.kernels._inputs import (  # noqa: F401 (the layer's checks are the kernel's)
     check_exportable,
     check_geometry,
@@ -59,45 +59,12 @@ def grid_from_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def window_axes(
-    kernel_size: object, dilation: object, causal: object
-) -> tuple[int | None, tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]]:
-    """A layer's checked window: (the number of grid axes its tuples fix, or None when all
-    three are one value for every axis; per-axis kernel, dilation and causal, as pairs when
-    the axes are not fixed).
-
-    Raises:
-        TypeError: a kernel or dilation that is not an int or a tuple of ints, a causal
-            that is not a bool or a tuple of bools.
-        ValueError: tuples of different lengths (the message names them), an even kernel,
-            a kernel or dilation < 1.
-    """
-    given = {name: len(value) for name, value in (
-        ("kernel_size", kernel_size), ("dilation", dilation), ("causal", causal))
-        if isinstance(value, (tuple, list))}
-    if len(set(given.values())) > 1:
-        raise ValueError(
-            "kernel_size, dilation and causal must have one entry per grid axis, the same "
-            f"number each: got {given}"
-        )
-    axes = next(iter(given.values()), None)
-    return axes, check_window((1,) * (axes or 2), kernel_size, dilation, causal)
-
-
 def call_window(
     module: Any, grid: tuple[int, ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
     """The per-axis window of ``module`` (a NeighborhoodAttention) on a call's ``grid``."""
-    axes = getattr(module, "_axes", None)
-    kernel, dilation, causal = module.kernel_size, module.dilation, module.causal
-    if axes is None:  # one value for every axis: as many as the grid has
-        return check_window(grid, kernel[0], dilation[0], causal[0])
-    if len(grid) != len(kernel):
-        raise ValueError(
-            f"grid must have one side per axis of kernel_size {tuple(kernel)}: expected "
-            f"{len(kernel)} sides, got grid {tuple(grid)}"
-        )
-    return check_window(grid, kernel, dilation, causal)
+    return grid_window(getattr(module, "_axes", None), module.kernel_size, module.dilation,
+                       module.causal, grid)
 
 
 def dense_allowed(
