@@ -125,16 +125,20 @@ def pair_terms(
 
 
 def tile_terms(
-    plan: Plan, modifiers: Modifiers | None, table: Tensor | None, dtype: torch.dtype
+    plan: Plan, modifiers: Modifiers | None, table: Tensor | None, dtype: torch.dtype,
+    span: tuple[int, int] | None = None,
 ) -> Tensor | None:
-    """The ALiBi and table terms of every tile of ``plan``: (n, h, s, t), or None without
-    either (the kernel and dilation are the plan's)."""
+    """The ALiBi and table terms of every tile of ``plan`` (of tiles ``span = (n0, n1)``
+    only, when given): (n, h, s, t), or None without either (the kernel and dilation are
+    the plan's)."""
     slopes = None if modifiers is None else modifiers.slopes
     if slopes is None and table is None:
         return None
     n, slots, keys = plan.tile_shape
+    n0, n1 = span or (0, n)
     return pair_terms(
-        plan_coords(plan), plan.q_index.view(n, slots), plan.k_index.view(n, keys),
+        plan_coords(plan), plan.q_index[n0 * slots:n1 * slots].view(n1 - n0, slots),
+        plan.k_index[n0 * keys:n1 * keys].view(n1 - n0, keys),
         slopes=slopes, table=table, kernel=plan.key.kernel, dilation=plan.key.dilation,
         dtype=dtype,
     )

@@ -266,3 +266,62 @@ def test_table_needs_a_two_axis_grid():
     with pytest.raises(ValueError, match="grid must hold grids of one number of axes"):
         neighborhood_attend(torch.randn(2, 2, 24, 8), torch.randn(2, 2, 24, 8),
                             torch.randn(2, 2, 24, 8), [(2, 3, 4), (4, 6)], 3)
+
+
+# ---------------------------------------------------------------------- chunked video tiles
+
+
+def _saved_bytes(run) -> int:
+    """Bytes of every tensor autograd saves for the backward while ``run()`` runs."""
+    total = []
+
+    def pack(t):
+        total.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(total), out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("options", [
+    {},
+    {"num_global_tokens": 1, "sinks": True, "alibi": True, "num_kv_heads": 2},
+    {"softcap": 4.0, "dilation": (1, 2, 1)},
+], ids=["plain", "modifiers", "softcap"])
+def test_chunked_video_tiles_equal_one_call_and_save_no_gathered_tile(options, fused,
+                                                                      monkeypatch):
+    from mmattn import NeighborhoodAttention
+    from mmattn.kernels import _neighborhood_chunks as chunks
+
+    torch.manual_seed(0)
+    grid = (4, 6, 6)
+    layer = NeighborhoodAttention(16, 4, (3, 5, 5), causal=(True, False, False),
+                                  dtype=torch.float64, **options)
+    if options.get("sinks"):
+        with torch.no_grad():
+            layer.sinks.normal_()
+    glob = options.get("num_global_tokens", 0)
+    x = torch.randn(2, glob + 144, 16, dtype=torch.float64, requires_grad=True)
+    kpm = torch.zeros(2, glob + 144, dtype=torch.bool)
+    kpm[1, 100:] = True
+    moved = x.detach().clone()
+    moved[1, 100:] = float("nan")  # padding never leaks, on either path
+    results = {}
+    for name, budget in (("one", 10**12), ("chunks", 4096)):
+        monkeypatch.setattr(chunks, "CHUNK_BYTES", budget)
+        with fused_attn(fused):
+            saved, out = _saved_bytes(lambda: layer(x, key_padding_mask=kpm, grid=grid)[0])
+            grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+            nan_out, _ = layer(moved, key_padding_mask=kpm, grid=grid)
+        results[name] = (saved, out, grads, nan_out)
+    (saved_one, out, grads, nan_one), (saved_chunks, out_c, grads_c, nan_c) = results.values()
+    torch.testing.assert_close(out_c, out)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(nan_c[:, :100], out[:, :100])
+    torch.testing.assert_close(nan_one[:, :100], out[:, :100])
+    rows = x.numel() * x.element_size()  # (B, L, D): the size of q, of k, of v
+    assert saved_chunks < saved_one / 2  # the gathered tiles are not kept
+    assert saved_chunks < 16 * rows  # O(L): projections, rows, outputs; no slab copies
