@@ -50,6 +50,8 @@ from _harness import (  # noqa: E402
     print_child_peak,
     write_docs,
 )
+from neighborhood import run_once, timed  # noqa: E402 (the 2-D benchmark's)
+from patterns import load  # noqa: E402
 
 from mmattn import MultiHeadAttention, NeighborhoodAttention  # noqa: E402
 from mmattn.masks import neighborhood_mask  # noqa: E402
@@ -98,22 +100,6 @@ def build(grid: tuple[int, int, int], names: list[str]) -> tuple[dict, dict]:
     return calls, refused
 
 
-def run_once(fn, x: torch.Tensor, mode: str) -> None:
-    if mode == "fwd+bwd":
-        fn(x).sum().backward()
-    else:
-        with torch.inference_mode():
-            fn(x)
-
-
-def timed(calls: dict, x: torch.Tensor, mode: str, repeats: int, warmup: int = 1) -> dict:
-    contenders = {n: (lambda fn=fn: run_once(fn, x, mode)) for n, fn in calls.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _, cpu = interleaved_samples(contenders, repeats, warmup=warmup)
-    return {name: statistics.median(ts) for name, ts in cpu.items()}
-
-
 def child(name: str, frames: int) -> None:
     """Measure one contender's peak RSS growth over one fwd+bwd call; print JSON."""
     torch.set_num_threads(1)
@@ -122,11 +108,6 @@ def child(name: str, frames: int) -> None:
     x = torch.randn(1, math.prod(grid), EMBED, requires_grad=True)
     run_once(fn, x, "fwd+bwd")  # warm the allocator and the plan cache
     print_child_peak(peak_rss_growth(lambda: run_once(fn, x, "fwd+bwd")))
-
-
-def load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"{one:.1f} (1 min) / {five:.1f} (5 min) on {os.cpu_count()} CPUs"
 
 
 def main() -> None:
@@ -150,7 +131,7 @@ def main() -> None:
 
     x = torch.randn(1, length, EMBED, requires_grad=True)
     calls, _ = build(grid, ["ours", "dense"])
-    train = timed(calls, x, "fwd+bwd", 2 if quick else 5)
+    train = timed(calls, x, "fwd+bwd", 2 if quick else 5, 1)
     for name, t in train.items():
         rows.append(["fwd+bwd", str(grid), length, name, t * 1e3, t / train["ours"]])
     print(f"fwd+bwd {grid}: " + ", ".join(f"{n}={t * 1e3:.0f}ms" for n, t in train.items()),

@@ -69,12 +69,17 @@ class Neighborhood(Pattern):
         axes = [(axis_window(pos, side, k, d, c), d > 1)
                 for pos, side, k, d, c in zip(g.coords, g.sides, *self.window(g))]
 
+        whole = g.whole  # one grid holds every token: no grid ids to compare
+
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            gq = gid[b, q]
-            allowed = (gq == gid[b, k]) & (gq >= 0)
+            allowed = None
+            if not whole:
+                gq = gid[b, q]
+                allowed = (gq == gid[b, k]) & (gq >= 0)
             for (sub, idx, start, stop), apart in axes:
                 ik = idx[b, k]
-                allowed = allowed & (ik >= start[b, q]) & (ik < stop[b, q])
+                inside = (ik >= start[b, q]) & (ik < stop[b, q])
+                allowed = inside if allowed is None else allowed & inside
                 if apart:  # (without dilation, every position is in subgrid 0)
                     allowed = allowed & (sub[b, k] == sub[b, q])
             return allowed

@@ -27,12 +27,14 @@ from mmattn import _checks as checks
 class Grid:
     """Per-token grid coordinates: grid id (-1 outside every grid); per axis the token's
     position and its grid's side (0 and 1 outside, and on the leading axes a grid lacks);
-    ``axes``: the number of sides of each grid the tokens use. Tensors (b, l) int64."""
+    ``axes``: the number of sides of each grid the tokens use; ``whole``: each item's one
+    grid covers all its L tokens (no grid id to compare). Tensors (b, l) int64."""
 
     gid: Tensor
     coords: tuple[Tensor, ...]
     sides: tuple[Tensor, ...]
     axes: tuple[int, ...]
+    whole: bool = False
 
     @property
     def row(self) -> Tensor:
@@ -93,7 +95,10 @@ def read_grid(ctx: Any, need: str, names: tuple[str, ...] | None = None) -> Grid
             side = dims[:, a:a + 1]
             coords[lead + a] = torch.where(inside, local // stride % side, coords[lead + a])
             sides[lead + a] = torch.where(inside, side, sides[lead + a])
-    return Grid(gid, tuple(coords), tuple(sides), tuple(used))
+    cells = placed[0][3].prod(dim=1)  # (CPU ints: reading them costs no device sync)
+    whole = len(used) == len(placed) == 1 and placed[0][0] is None and bool(
+        (cells == ctx.length).all())
+    return Grid(gid, tuple(coords), tuple(sides), tuple(used), whole)
 
 
 def grid_dims(meta: Mapping[str, Any], where: str, batch: int) -> Tensor | None:
