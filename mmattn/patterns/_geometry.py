@@ -18,7 +18,7 @@ from mmattn._jagged import runs_of
 from mmattn._masks_grid import axis_window, check_window, window_axes
 from mmattn.patterns._attributes import Modality, _names
 from mmattn.patterns._base import Bound, Pattern
-from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Chunk, Rule, Tiles, TokenContext, k_axis, q_axis
 from mmattn.patterns._grids import Grid
 
 __all__ = ["neighborhood", "edges"]
@@ -62,57 +62,106 @@ class Neighborhood(Pattern):
         return ((1,) * lead + self.kernel_size, (1,) * lead + self.dilation,
                 (False,) * lead + self.causal)
 
+    def composed(self, ctx: TokenContext) -> Pattern:
+        """The rule as ``same grid & axis 0 & axis 1 & ...`` (one :class:`_AxisWindow` per
+        axis; no grid part when one grid holds every token): each part bounds its tiles
+        alone, and the exact evaluation skips the parts whose bound already allows every
+        pair of a chunk of tiles (a video tile's frames, say)."""
+        def build() -> Pattern:
+            g = self._grid(ctx)
+            windows = self.window(g)
+            parts: list[Pattern] = [] if g.whole else [_SameGrid(self)]
+            parts += [_AxisWindow(self, a, *(w[a] for w in windows))
+                      for a in range(len(g.coords))]
+            pattern = parts[-1]
+            for part in reversed(parts[:-1]):
+                pattern = part & pattern
+            return pattern
+
+        return ctx.cached(("neighborhood", id(self)), build)
+
     def prepare(self, ctx: TokenContext) -> Rule:
-        g = self._grid(ctx)
-        gid = g.gid
-        # per token (B, L), each axis: dilation subgrid, place in it, window [start, stop)
-        axes = [(axis_window(pos, side, k, d, c), d > 1)
-                for pos, side, k, d, c in zip(g.coords, g.sides, *self.window(g))]
-
-        whole = g.whole  # one grid holds every token: no grid ids to compare
-
-        def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            allowed = None
-            if not whole:
-                gq = gid[b, q]
-                allowed = (gq == gid[b, k]) & (gq >= 0)
-            for (sub, idx, start, stop), apart in axes:
-                ik = idx[b, k]
-                inside = (ik >= start[b, q]) & (ik < stop[b, q])
-                allowed = inside if allowed is None else allowed & inside
-                if apart:  # (without dilation, every position is in subgrid 0)
-                    allowed = allowed & (sub[b, k] == sub[b, q])
-            return allowed
-
-        return rule
+        return self.composed(ctx).prepared(ctx)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
-        g = self._grid(ctx)
-        inside = g.gid >= 0
-        name = ("nbhd", self.names)
-        lo, hi = tiles.span(name + ("id",), g.gid, inside)
-        may = _within(lo, hi, lo, hi, 0)  # some grid in common
-        lo, hi = tiles.span(name + ("id-all",), g.gid)
-        single = (lo == hi) & (lo >= 0)
-        must = (q_axis(lo) == k_axis(lo)) & q_axis(single) & k_axis(single)
-        window = (id(self), tiles.block)
-        for a, (pos, side, k, d, c) in enumerate(zip(g.coords, g.sides, *self.window(g))):
-            _, idx, start, stop = axis_window(pos, side, k, d, c)
-            # a key's place in its subgrid lies in some query's window of the tile
-            k_lo, k_hi = tiles.span(name + ("idx", a), idx, inside)
-            w_lo, _ = tiles.span(("nbhd-start", window, a), start, inside)
-            _, w_hi = tiles.span(("nbhd-stop", window, a), stop - 1, inside)
-            may = may & (k_axis(k_hi) >= q_axis(w_lo)) & (k_axis(k_lo) <= q_axis(w_hi))
-            # every key seen: a whole axis inside every window (dilation 1, not causal), or
-            # an axis of one position
-            _, side_hi = tiles.span(name + ("side", a), side)
-            must = must & (q_axis(side_hi) <= (k if d == 1 and not c else 1))
-        return may, must
+        return self.composed(ctx).tile_bound(ctx, tiles)
+
+    def tile_rule(self, chunk: Chunk, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return self.composed(chunk.ctx).tile_rule(chunk, b, q, k)
+
+    def children(self, ctx: TokenContext) -> tuple[Pattern, ...]:
+        return (self.composed(ctx),)
 
     def __repr__(self) -> str:
         causal = f", causal={self.causal}" if any(self.causal) else ""
         kernel = self.kernel_size if self.axes else self.kernel_size[0]
         return f"neighborhood({kernel}, dilation={self.dilation}{causal})"
+
+
+class _SameGrid(Pattern):
+    """Both tokens in one grid (the grid ids of :class:`Neighborhood`'s grids)."""
+
+    def __init__(self, owner: Neighborhood) -> None:
+        self.owner = owner
+
+    def prepare(self, ctx: TokenContext) -> Rule:
+        gid = self.owner._grid(ctx).gid
+
+        def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            gq = gid[b, q]
+            return (gq == gid[b, k]) & (gq >= 0)
+
+        return rule
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        gid = self.owner._grid(ctx).gid
+        lo, hi = tiles.span(("grid-id", id(self)), gid, gid >= 0)
+        may = _within(lo, hi, lo, hi, 0)  # some grid in common
+        lo, hi = tiles.span(("grid-id-all", id(self)), gid)
+        single = (lo == hi) & (lo >= 0)
+        return may, (q_axis(lo) == k_axis(lo)) & q_axis(single) & k_axis(single)
+
+
+class _AxisWindow(Pattern):
+    """Along one grid axis, the key lies in the query's window (its dilation subgrid,
+    ``start <= place < stop``; :func:`~mmattn._masks_grid.axis_window`). Tokens outside
+    every grid have place 0 and window [0, 1) there: :class:`_SameGrid` excludes them."""
+
+    def __init__(self, owner: Neighborhood, axis: int, kernel: int, dilation: int,
+                 causal: bool) -> None:
+        self.owner, self.axis = owner, axis
+        self.kernel, self.dilation, self.causal = kernel, dilation, causal
+
+    def window(self, ctx: TokenContext) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        g = self.owner._grid(ctx)
+        return ctx.cached(("axis-window", id(self)), lambda: axis_window(
+            g.coords[self.axis], g.sides[self.axis], self.kernel, self.dilation, self.causal))
+
+    def prepare(self, ctx: TokenContext) -> Rule:
+        sub, idx, start, stop = self.window(ctx)
+        apart = self.dilation > 1  # (without dilation, every position is in subgrid 0)
+
+        def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            ik = idx[b, k]
+            inside = (ik >= start[b, q]) & (ik < stop[b, q])
+            return inside & (sub[b, k] == sub[b, q]) if apart else inside
+
+        return rule
+
+    def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
+        sub, idx, start, stop = self.window(ctx)
+        name = id(self)
+        k_lo, k_hi = tiles.span(("axis-place", name), idx)
+        start_lo, start_hi = tiles.span(("axis-start", name), start)
+        stop_lo, stop_hi = tiles.span(("axis-stop", name), stop - 1)
+        # some key's place in some query's window; every key's in every query's
+        may = (k_axis(k_hi) >= q_axis(start_lo)) & (k_axis(k_lo) <= q_axis(stop_hi))
+        must = (k_axis(k_lo) >= q_axis(start_hi)) & (k_axis(k_hi) <= q_axis(stop_lo))
+        if self.dilation > 1:  # and one subgrid throughout both tiles
+            lo, hi = tiles.span(("axis-sub", name), sub)
+            one = lo == hi
+            must = must & q_axis(one) & k_axis(one) & (q_axis(lo) == k_axis(lo))
+        return may, must
 
 
 class Edges(Pattern):
