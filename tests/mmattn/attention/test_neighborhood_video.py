@@ -241,3 +241,20 @@ def test_flex_route_forward_on_the_cpu_equals_the_tiles():
     want = neighborhood_mask(grid, (3, 3, 5), dilation=(1, 2, 1), causal=(True, False, False),
                              num_global_tokens=1)
     assert torch.equal(rule(zero, zero, i[:, None], i[None, :]), want)
+
+
+def test_debug_tools_read_the_video_window():
+    from mmattn.debug import attention_mass, top_keys
+
+    kwargs = {"kernel_size": (3, 3, 3), "causal": (True, False, False)}
+    encoder = Encoder(D, 1, H, attention="neighborhood", attention_kwargs=kwargs).eval()
+    grid = (3, 3, 3)
+    tokens = Tokens(torch.randn(1, 27, D), meta={"grid": grid})
+    found = top_keys(encoder, tokens, k=4)
+    allowed = neighborhood_mask(grid, 3, causal=(True, False, False))
+    rows = torch.arange(27)[:, None].expand(27, 4)
+    for head in range(H):
+        assert allowed[rows, found.indices[0, 0, head]].all()  # only keys of the window
+    text = Tokens(torch.randn(1, 2, D))
+    mass = attention_mass(encoder, Tokens.cat({"text": text, "video": tokens}))
+    torch.testing.assert_close(mass.table.sum(-1), torch.ones(1, H, 2))
