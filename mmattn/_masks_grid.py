@@ -1,7 +1,7 @@
 """The dense reference mask of N-D neighbourhood attention (re-exported by :mod:`mmattn.masks`).
 
-Axis key: ``p``/``q`` positions of a query / key along one grid axis, ``i``/``j`` query /
-key cells of the whole grid (row-major).
+Axis key: ``i``/``j`` query / key cells of the axes taken so far (row-major), ``p``/``q``
+query / key positions along the next axis.
 
 One rule per axis (:func:`axis_window`), N axes by product: a grid of 1, 2 or 3 axes is one
 loop over the same function (NATTEN's ``na1d`` / ``na2d`` / ``na3d``).
