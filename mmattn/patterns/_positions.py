@@ -87,7 +87,12 @@ class Chunked(Pattern):
         return ctx.cached(("chunks", self.chunk), lambda: ctx.offsets() // self.chunk)
 
     def prepare(self, ctx: TokenContext) -> Rule:
-        chunks, left, right = self._chunks(ctx), self.left, self.right
+        chunks = self._chunks(ctx)
+        # left and right as tensors: a Python int read by a mask_mod becomes a symbol under
+        # dynamic shapes, which inductor's CPU flex kernel fails to build beside a table
+        # lookup (docs/decisions.md, "Engines survive first contact")
+        left, right = (torch.full((), n, dtype=chunks.dtype, device=chunks.device)
+                       for n in (self.left, self.right))
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
             cq, ck = chunks[b, q], chunks[b, k]
