@@ -13,8 +13,9 @@ from mmattn.kernels.varlen import offsets, row_offsets, runs, window_size
 pytestmark = [pytest.mark.pins_path, pytest.mark.usefixtures("fused_only")]
 
 
-ALL = Available(varlen=True, varlen_window=True, varlen_gqa=True, flex=True)
-TORCH_2_11 = Available(varlen=True, varlen_window=True, varlen_gqa=False, flex=True)
+ALL = Available(varlen=True, varlen_window=True, varlen_gqa=True, flex=True, flex_aux=True)
+TORCH_2_11 = Available(varlen=True, varlen_window=True, varlen_gqa=False, flex=True,
+                       flex_aux=True)
 NONE = Available()
 BF16 = torch.bfloat16
 
