@@ -231,13 +231,13 @@ def flex_attend(
     sinks = None if mods is None else mods.sinks
     have = available()
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    signature = (q.device.type, q.dtype, grad, groups > 1, sinks is not None,
-                 block_mask.mask_mod.__code__, block_mask.BLOCK_SIZE, scale, causal,
-                 *(t is not None for t in (softcap, slopes, rows, cols, flat, flat_rows)),
-                 key_mask is None or key_mask.dtype)
-    run = compiled(signature)
     if sinks is not None and q.device.type == "cpu":  # no compiled CPU logsumexp: eager flex
         run = _flex_call
+    else:
+        run = compiled((q.device.type, q.dtype, grad, groups > 1, sinks is not None, scale,
+                        causal, *_mod_facts(block_mask.mask_mod), block_mask.BLOCK_SIZE,
+                        *(t is not None for t in (softcap, slopes, rows, cols, flat, flat_rows)),
+                        key_mask is None or key_mask.dtype))
     out = run(q, k, v, mod, block_mask, scale, groups > 1, sinks is not None,
               _aux_request() if have.flex_aux else None)
     if sinks is None:
@@ -245,6 +245,13 @@ def flex_attend(
     out, lse = out
     keep, _ = join_sink(lse.float(), sinks.float()[:, None])  # σ(ℓ − σ_h), (b, h, l)
     return out * keep[..., None].to(out.dtype)
+
+
+def _mod_facts(fn: Callable) -> tuple:
+    """What dynamo guards on in a mask_mod besides its tensors: its code and the plain
+    Python values it closes over (a causal flag, a tile width)."""
+    cells = tuple(c.cell_contents for c in fn.__closure__ or ())
+    return (fn.__code__, *(c for c in cells if isinstance(c, (bool, int, float, str))))
 
 
 def _aux_request():
