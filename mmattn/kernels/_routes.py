@@ -30,7 +30,7 @@ from mmattn.kernels import _block_sparse_plan as _plan
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels import engines
 from mmattn.kernels._neighborhood_plan import ByteCache
-from mmattn.kernels.flex import own_copy
+from mmattn.kernels.flex import mod_facts, own_copy
 from mmattn.kernels.modifiers import Modifiers
 
 #: geometry → BlockMask (the key mask is a score term): the kernels' byte-bounded,
@@ -101,25 +101,28 @@ def _create(mask_mod: Callable, length: int, device: torch.device, block: int):
                              BLOCK_SIZE=block)
 
 
-_BUILDER: list[Callable] = []  # the compiled mask builder, made on the first CUDA build
+#: The compiled mask builders, one per mask_mod (its own dynamo cache and recompile budget);
+#: None once this torch failed to compile one (the older spellings then).
+_BUILDERS: dict[tuple, Callable | None] = {}
 
 
 def build_block_mask(mask_mod: Callable, length: int, device: torch.device, block: int):
     """``create_block_mask`` of a (b, h)-free mask_mod: eager on the CPU; on CUDA through
-    ``torch.compile`` of a function of mmattn's own (torch's newer spelling of the
-    deprecated ``_compile=True``, with its own dynamo cache), the ``_compile`` flag only
-    where that compile fails in this torch (its deprecation warning silenced), eager where
-    neither exists."""
+    ``torch.compile`` of a function of mmattn's own, one per mask_mod (torch's newer
+    spelling of the deprecated ``_compile=True``), the ``_compile`` flag only where that
+    compile fails in this torch (its deprecation warning silenced), eager where neither
+    exists."""
     if device.type != "cuda":
         return _create(mask_mod, length, device, block)
-    if not _BUILDER:
-        _BUILDER.append(torch.compile(own_copy(_create, "mmattn_block_mask")))
-    builder = _BUILDER[0]
-    if builder is not _create:
+    key = mod_facts(mask_mod)
+    if key not in _BUILDERS and None not in _BUILDERS.values():
+        _BUILDERS[key] = torch.compile(own_copy(_create, f"mmattn_block_mask_{len(_BUILDERS)}"))
+    builder = _BUILDERS.get(key)
+    if builder is not None:
         try:
             return builder(mask_mod, length, device, block)
         except Exception:  # noqa: BLE001 - this torch does not compile it: older spellings
-            _BUILDER[0] = builder = _create
+            _BUILDERS[key] = None
     if engines.available().mask_compile_flag:
         from torch.nn.attention.flex_attention import create_block_mask
 

@@ -45,7 +45,9 @@ from mmattn.kernels._engine_facts import available
 from mmattn.kernels._scores import default_scale
 from mmattn.kernels.modifiers import Modifiers, join_sink
 
-__all__ = ["compiled", "flex_attend", "graphs", "key_bias", "own_copy", "score_mod"]
+__all__ = [
+    "compiled", "flex_attend", "graphs", "key_bias", "mod_facts", "own_copy", "score_mod",
+]
 
 
 def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, lse, aux):
@@ -235,7 +237,7 @@ def flex_attend(
         run = _flex_call
     else:
         run = compiled((q.device.type, q.dtype, grad, groups > 1, sinks is not None, scale,
-                        causal, *_mod_facts(block_mask.mask_mod), block_mask.BLOCK_SIZE,
+                        causal, *mod_facts(block_mask.mask_mod), block_mask.BLOCK_SIZE,
                         *(t is not None for t in (softcap, slopes, rows, cols, flat, flat_rows)),
                         key_mask is None or key_mask.dtype))
     out = run(q, k, v, mod, block_mask, scale, groups > 1, sinks is not None,
@@ -247,7 +249,7 @@ def flex_attend(
     return out * keep[..., None].to(out.dtype)
 
 
-def _mod_facts(fn: Callable) -> tuple:
+def mod_facts(fn: Callable) -> tuple:
     """What dynamo guards on in a mask_mod besides its tensors: its code and the plain
     Python values it closes over (a causal flag, a tile width)."""
     cells = tuple(c.cell_contents for c in fn.__closure__ or ())
