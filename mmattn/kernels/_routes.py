@@ -267,8 +267,9 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e); returns (b, h, l, e) or None
     """
-    if not engines.considered(q.device):
-        return None, None
+    if not engines.considered(q.device) or (modifiers and any(
+            t is not None for t in (modifiers.q_pos, modifiers.k_pos, modifiers.bias))):
+        return None, None  # (ALiBi positions: the kernel refuses them, engines do too)
     source = getattr(mask, "segment_source", None)
     banded = source is not None and (is_causal or source.window != (-1, -1))
     call = facts("segments" if source is not None else "blocks", q, k, v, groups=groups,

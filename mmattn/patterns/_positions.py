@@ -88,15 +88,14 @@ class Chunked(Pattern):
 
     def prepare(self, ctx: TokenContext) -> Rule:
         chunks = self._chunks(ctx)
-        # left and right as tensors: a Python int read by a mask_mod becomes a symbol under
-        # dynamic shapes, which inductor's CPU flex kernel fails to build beside a table
-        # lookup (docs/decisions.md, "Engines survive first contact")
-        left, right = (torch.full((), n, dtype=chunks.dtype, device=chunks.device)
-                       for n in (self.left, self.right))
+        # each query's lowest and highest key chunk as tables: inside, lookups and compares
+        # only (a Python int, or arithmetic with a scalar, beside a lookup makes inductor's
+        # CPU flex kernel fail to build under dynamic shapes; docs/decisions.md)
+        lo, hi = chunks - self.left, chunks + self.right
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            cq, ck = chunks[b, q], chunks[b, k]
-            return (ck >= cq - left) & (ck <= cq + right)
+            ck = chunks[b, k]
+            return (ck >= lo[b, q]) & (ck <= hi[b, q])
 
         return rule
 

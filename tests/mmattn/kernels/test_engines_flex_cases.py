@@ -189,12 +189,19 @@ def test_sink_gradients_through_the_flex_route(monkeypatch):
         close(a, b)
 
 
+def _flex_probe(q, k, v, block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask)
+
+
 def test_chunked_mask_mod_compiles_with_dynamic_shapes():
-    """P.chunked's mask_mod in torch.compile(flex_attention) with dynamic shapes (how a
-    GPU run compiles after a length changes) on the CPU: its left/right are tensors, not
-    Python ints (docs/decisions.md: an int read by a mask_mod beside a table lookup breaks
-    inductor's CPU flex kernel)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    """P.chunked's mask_mod in a compiled flex_attention with dynamic shapes (how a run
+    compiles once sizes or numbers change) on the CPU: it reads its window as tables, not
+    Python ints (an int read by a mask_mod becomes a symbol, which inductor's CPU flex
+    kernel fails to build beside a lookup: docs/decisions.md). A function of this test's
+    own, so no other test's graphs of flex_attention change how this one compiles."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     length = 13
     tokens = Tokens(torch.zeros(1, length, 8))
@@ -202,7 +209,7 @@ def test_chunked_mask_mod_compiles_with_dynamic_shapes():
     bm = create_block_mask(pattern.mask_mod(tokens), 1, None, length, length, device="cpu")
     q, k, v = qkv(1, length, heads=2, kv=2)
     with torch.no_grad():
-        out = torch.compile(flex_attention, dynamic=True)(q, k, v, block_mask=bm)
+        out = torch.compile(_flex_probe, dynamic=True)(q, k, v, bm)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=pattern.dense(tokens)[:, None])
     close(out, want)
 
