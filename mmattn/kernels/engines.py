@@ -245,6 +245,9 @@ def _flex_cuda_refusal(call: Call, have: Available) -> str | None:
     if cap is not None and call.dtype == torch.bfloat16 and cap < TRITON_BF16_CAPABILITY:
         return (f"flex_attention in bfloat16 needs compute capability "
                 f"{_version(TRITON_BF16_CAPABILITY)}+, this GPU has {_version(cap)}")
+    if call.dtype not in (*_HALF, torch.float32):
+        return (f"flex_attention's CUDA kernel takes float16/bfloat16/float32, not "
+                f"{str(call.dtype)[6:]}")
     if call.head_dim < 16:
         return f"flex_attention's CUDA kernel takes head widths >= 16, not {call.head_dim}"
     return None

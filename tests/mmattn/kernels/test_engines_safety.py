@@ -45,6 +45,8 @@ def _fresh_failures():
     ((7, 0), FP16, "flex", "needs compute capability 8.0+, this GPU has 7.0"),  # V100
     ((7, 5), BF16, "fallback", "flex_attention in bfloat16 needs compute capability 8.0+"),
     ((6, 1), FP16, "fallback", "flex_attention (Triton) needs compute capability 7.0+"),
+    ((9, 0), torch.float32, "flex", "takes float16/bfloat16, not float32"),
+    ((9, 0), torch.float64, "fallback", "takes float16/bfloat16/float32, not float64"),
 ])
 def test_select_refuses_what_a_simulated_gpu_cannot_run(capability, dtype, engine, words):
     """Pre-Ampere cards have no flash (torch's can_use_flash_attention: sm80+): a half
