@@ -328,6 +328,7 @@ T = TypeVar("T")
 _FAILED: dict[tuple[str, Call], str] = {}
 _WARNED: set[tuple] = set()
 _LOCK = threading.Lock()
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 def forget_failures() -> None:
@@ -366,7 +367,7 @@ def attempt(choice: Choice, call: Call, run: Callable[[], T],
     have = available() if have is None else have
     try:
         return run(), choice
-    except torch.OutOfMemoryError:
+    except _OUT_OF_MEMORY:
         raise
     except Exception as error:  # noqa: BLE001 - the engine's own failure: see the docstring
         name = {"flex": "flex_attention", "varlen": "varlen_attn"}.get(choice.engine,
@@ -376,8 +377,9 @@ def attempt(choice: Choice, call: Call, run: Callable[[], T],
             reason = (f"dynamo's recompile limit (torch._dynamo.config.{have.limit_name} = "
                       f"{limit}) is reached for mmattn's compiled {name}: this call ran "
                       "mmattn's own kernel")
-            _warn_once(("limit", choice.engine, call), f"mmattn: {reason} (calls like it "
-                       "will too; raise the limit to compile more graphs)")
+            _warn_once(("limit", choice.engine, call), f"mmattn: {reason} (and will for "
+                       "calls like it that need another graph; raise the limit to compile "
+                       "more)")
             return None, Choice("fallback", reason)
         if forced() is not None:
             raise
