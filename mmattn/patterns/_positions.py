@@ -88,11 +88,15 @@ class Chunked(Pattern):
         return ctx.cached(("chunks", self.chunk), lambda: ctx.offsets() // self.chunk)
 
     def prepare(self, ctx: TokenContext) -> Rule:
-        chunks, left, right = self._chunks(ctx), self.left, self.right
+        chunks = self._chunks(ctx)
+        # each query's lowest and highest key chunk as tables: inside, lookups and compares
+        # only (a Python int, or arithmetic with a scalar, beside a lookup makes inductor's
+        # CPU flex kernel fail to build under dynamic shapes; docs/decisions.md)
+        lo, hi = chunks - self.left, chunks + self.right
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            cq, ck = chunks[b, q], chunks[b, k]
-            return (ck >= cq - left) & (ck <= cq + right)
+            ck = chunks[b, k]
+            return (ck >= lo[b, q]) & (ck <= hi[b, q])
 
         return rule
 
