@@ -247,3 +247,28 @@ def test_encoder_recipe_trains_frame_causal_and_streams_chunked():
         steps = [stream(Tokens(clip.x[:, t * per_frame:(t + 1) * per_frame]), cache=cache).x
                  for t in range(frames)]
     assert_close_scaled(torch.cat(steps, dim=1), whole, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.flex_sweep
+@pytest.mark.pins_path
+@pytest.mark.filterwarnings("ignore:_compile flag:DeprecationWarning")
+def test_mask_mod_compiles_in_flex_attention():
+    # (a CPU flex compile takes tens of seconds: ``make test-flex`` runs it, as the sweep)
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    import torch.nn.functional as F
+
+    clip = video(2, (3, 4, 4), real=[48, 37])
+    pattern = P.causal(by="frames") & P.neighborhood((3, 3, 3), causal=(True, False, False))
+    dense = pattern.dense(clip)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 48, 16, generator=gen) for _ in range(3))
+    with torch._dynamo.config.patch(recompile_limit=64):
+        block = flex.create_block_mask(pattern.mask_mod(clip), 2, None, 48, 48, device="cpu",
+                                       BLOCK_SIZE=16, _compile=True)
+        with torch.no_grad():
+            out = torch.compile(flex.flex_attention, dynamic=False)(q, k, v, block_mask=block)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None])
+    live = dense.any(-1)[:, None, :, None].expand_as(ref)
+    torch.testing.assert_close(out[live], ref[live], rtol=0,
+                               atol=1e-5 * float(ref[live].abs().max()))
