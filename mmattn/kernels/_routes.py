@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -308,33 +309,40 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
     return out, choice
 
 
-def window_mask_mod(grid: tuple[int, int], kernel: tuple[int, int], dilation: tuple[int, int],
-                    first: int, device: torch.device) -> Callable:
+def window_mask_mod(grid: tuple[int, ...], kernel: tuple[int, ...], dilation: tuple[int, ...],
+                    first: int, device: torch.device,
+                    causal: tuple[bool, ...] | None = None) -> Callable:
     """NeighborhoodAttention's rule as a mask_mod: the grid's tokens are ``first ..
-    first + rows·cols − 1`` (row-major), every other token is global. Pure indexing into
-    per-axis tables built here."""
-    (rows, cols), (kh, kw), (dh, dw) = grid, kernel, dilation
-    rsub, ridx, rstart, rstop = axis_window(torch.arange(rows, device=device), rows, kh, dh)
-    csub, cidx, cstart, cstop = axis_window(torch.arange(cols, device=device), cols, kw, dw)
+    first + prod(grid) − 1`` (row-major, 1 to 3 axes; ``causal`` per axis, None: none),
+    every other token is global. Pure indexing into per-axis tables built here
+    (:func:`~mmattn._masks_grid.axis_window`)."""
+    axes = []
+    causal = causal or (False,) * len(grid)
+    for a, (n, k, d, c) in enumerate(zip(grid, kernel, dilation, causal)):
+        stride = torch.tensor(math.prod(grid[a + 1:]), device=device)
+        side = torch.tensor(n, device=device)
+        axes.append((stride, side, *axis_window(torch.arange(n, device=device), n, k, d, c)))
     lo = torch.tensor(first, device=device)
-    hi = torch.tensor(first + rows * cols, device=device)
-    width = torch.tensor(cols, device=device)
-    last = torch.tensor(rows * cols - 1, device=device)
+    hi = torch.tensor(first + math.prod(grid), device=device)
+    last = torch.tensor(math.prod(grid) - 1, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         tq = torch.minimum((q_idx - lo).clamp(min=0), last)  # (a tensor bound: no .item())
         tk = torch.minimum((kv_idx - lo).clamp(min=0), last)
-        rq, cq, rk, ck = tq // width, tq % width, tk // width, tk % width
-        row = (rsub[rq] == rsub[rk]) & (ridx[rk] >= rstart[rq]) & (ridx[rk] < rstop[rq])
-        col = (csub[cq] == csub[ck]) & (cidx[ck] >= cstart[cq]) & (cidx[ck] < cstop[cq])
-        outside = (q_idx < lo) | (q_idx >= hi) | (kv_idx < lo) | (kv_idx >= hi)
-        return outside | (row & col)
+        ok = (q_idx < lo) | (q_idx >= hi) | (kv_idx < lo) | (kv_idx >= hi)  # global
+        inside = None
+        for stride, side, sub, idx, start, stop in axes:
+            pq, pk = tq // stride % side, tk // stride % side
+            axis = (sub[pq] == sub[pk]) & (idx[pk] >= start[pq]) & (idx[pk] < stop[pq])
+            inside = axis if inside is None else inside & axis
+        return ok | inside
 
     return mask_mod
 
 
-def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, int],
-                 dilation: tuple[int, int], *, first: Any, key_mask: Tensor | None,
+def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, ...],
+                 dilation: tuple[int, ...], causal: tuple[bool, ...], *, first: Any,
+                 key_mask: Tensor | None,
                  dropout_p: float, need_weights: bool, modifiers: Modifiers | None,
                  table: Tensor | None,
                  scale: float | None) -> tuple[Tensor | None, engines.Choice | None]:
@@ -353,18 +361,21 @@ def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, 
     choice = engines.select(call)
     if choice.engine != "flex":
         return None, choice
-    shared = isinstance(grid, tuple) and len(grid) == 2 and all(isinstance(n, int) for n in grid)
+    shared = isinstance(grid, tuple) and all(isinstance(n, int) for n in grid)
     if not shared or not isinstance(first, int):
         return None, engines.Choice("fallback", "flex route: one grid for the whole batch only")
     if table is not None:
         return None, engines.Choice("fallback", "flex route: no relative-position table")
+    if modifiers is not None and modifiers.slopes is not None and len(grid) != 2:
+        return None, engines.Choice("fallback", "flex route: ALiBi on a 2-D grid only")
     from mmattn.kernels.flex import flex_attend
 
     length = q.shape[2]
 
     def run() -> Tensor:
-        mask = block_mask(("window", grid, kernel, dilation, first),
-                          lambda: window_mask_mod(grid, kernel, dilation, first, q.device),
+        mask = block_mask(("window", grid, kernel, dilation, causal, first),
+                          lambda: window_mask_mod(grid, kernel, dilation, first, q.device,
+                                                  causal),
                           length, q.device, flex_block(q.device))
         rows = cols = flat = None
         if modifiers is not None and modifiers.slopes is not None:
@@ -378,5 +389,5 @@ def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, 
     if out is not None:
         report(choice, "neighborhood", q=q, k=k, v=v, mask=key_mask, scale=scale,
                groups=groups, modifiers=modifiers or None, kernel_size=kernel,
-               dilation=dilation, grid=grid)
+               dilation=dilation, causal=causal, grid=grid)
     return out, choice
