@@ -1,0 +1,137 @@
+"""What the running torch can do, detected once, when mmattn is imported, by signature,
+attribute or torch's own dispatcher, never by its version string (DESIGN, sixth wave,
+"Versions").
+
+The engines of :mod:`mmattn.kernels.engines` (varlen, flex) keep their own detection
+(:func:`mmattn.kernels.engines.available`); this module holds every other fact a path
+depends on. A path without its feature falls back to one that gives the same numbers, or
+raises :class:`MissingFeature` naming the torch release that brings it (:func:`require`).
+Tests skip by feature name (``tests/_features.py``).
+
+Examples:
+    >>> isinstance(features().sdpa_gqa, bool)
+    True
+    >>> features().recompile_limit in ("recompile_limit", "cache_size_limit")
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Features", "MissingFeature", "SINCE", "features", "require"]
+
+#: The first torch release with each feature: only for the messages that name it (the
+#: detection itself never reads a version).
+SINCE = {
+    "sdpa_gqa": "2.5",
+    "cpu_flash": "2.3",
+    "cpu_flash_gqa": "2.6",
+    "is_exporting": "2.6",
+    "recompile_limit": "2.7",
+}
+
+
+class MissingFeature(RuntimeError):
+    """A call needs a feature this torch lacks (the message names the torch that has it)."""
+
+
+@dataclass(frozen=True)
+class Features:
+    """The facts of this torch that mmattn's paths depend on.
+
+    Attributes:
+        sdpa_gqa: ``F.scaled_dot_product_attention`` takes ``enable_gqa`` (grouped-query
+            heads without repeating the key heads).
+        cpu_flash: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward
+            exist (the CPU flash kernel that returns the logsumexp: the fused sinks,
+            block-sparse's CPU path).
+        cpu_flash_gqa: that kernel takes fewer key heads than query heads. Detected from
+            torch's own CPU dispatcher (``torch._fused_sdp_choice``): a torch whose
+            dispatcher sends a grouped call to the math kernel has a flash kernel that
+            reads every query head's own key head, out of bounds on grouped heads.
+        is_exporting: ``torch.compiler.is_exporting`` exists; without it a traced call
+            cannot tell ``torch.export`` from ``torch.compile``.
+        recompile_limit: the name of dynamo's per-code recompile limit in
+            ``torch._dynamo.config`` (``"recompile_limit"``; ``"cache_size_limit"`` before).
+    """
+
+    sdpa_gqa: bool
+    cpu_flash: bool
+    cpu_flash_gqa: bool
+    is_exporting: bool
+    recompile_limit: str
+
+    def missing(self) -> tuple[str, ...]:
+        """The names of the boolean features this torch lacks."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name) is False)
+
+
+def _sdpa_gqa() -> bool:
+    one = torch.zeros(1, 1, 1, 1)
+    try:
+        F.scaled_dot_product_attention(one, one, one, enable_gqa=False)
+    except TypeError:
+        return False
+    return True
+
+
+def _cpu_flash() -> bool:
+    aten = torch.ops.aten
+    return hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _cpu_flash_gqa(sdpa_gqa: bool, cpu_flash: bool) -> bool:
+    if not (sdpa_gqa and cpu_flash):
+        return False
+    from torch.nn.attention import SDPBackend
+
+    q, kv = torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 4, 8)
+    try:
+        choice = torch._fused_sdp_choice(q, kv, kv, None, 0.0, False, scale=None,
+                                         enable_gqa=True)
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+    return choice == SDPBackend.FLASH_ATTENTION.value
+
+
+def _detect() -> Features:
+    sdpa_gqa, cpu_flash = _sdpa_gqa(), _cpu_flash()
+    config = torch._dynamo.config
+    return Features(
+        sdpa_gqa=sdpa_gqa,
+        cpu_flash=cpu_flash,
+        cpu_flash_gqa=_cpu_flash_gqa(sdpa_gqa, cpu_flash),
+        is_exporting=hasattr(torch.compiler, "is_exporting"),
+        recompile_limit=(
+            "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"),
+    )
+
+
+_FEATURES = _detect()  # once, at import (PyG's WITH_* flags): compiled code reads a constant
+
+
+def features() -> Features:
+    """The features of the running torch (detected once, when mmattn is imported)."""
+    return _FEATURES
+
+
+def require(name: str, what: str) -> None:
+    """Raise :class:`MissingFeature` unless this torch has feature ``name``.
+
+    Args:
+        name: a boolean attribute of :class:`Features`.
+        what: the call that needs it, for the message.
+
+    Raises:
+        MissingFeature: naming the call, the feature and the torch release that brings it.
+    """
+    if getattr(features(), name) is not True:
+        raise MissingFeature(
+            f"{what} needs torch >= {SINCE[name]} (feature {name!r}); this is torch "
+            f"{torch.__version__}"
+        )
