@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Features", "MissingFeature", "SINCE", "features", "require"]
+__all__ = ["Features", "MissingFeature", "SINCE", "export_tracing", "features", "require"]
 
 #: The first torch release with each feature: only for the messages that name it (the
 #: detection itself never reads a version).
@@ -30,7 +30,7 @@ SINCE = {
     "sdpa_gqa": "2.5",
     "cpu_flash": "2.3",
     "cpu_flash_gqa": "2.6",
-    "is_exporting": "2.6",
+    "is_exporting": "2.7",
     "recompile_limit": "2.7",
 }
 
@@ -118,6 +118,27 @@ _FEATURES = _detect()  # once, at import (PyG's WITH_* flags): compiled code rea
 def features() -> Features:
     """The features of the running torch (detected once, when mmattn is imported)."""
     return _FEATURES
+
+
+@torch._dynamo.assume_constant_result
+def export_tracing() -> bool:
+    """Whether ``torch.export`` traces now, on a torch without ``torch.compiler.is_exporting``
+    (feature ``is_exporting``; :func:`mmattn._helpers.exporting` asks that one where it
+    exists). Strict export traces with dynamo, whose translator says ``export``; this
+    function runs at trace time (``assume_constant_result``), so its answer is a constant of
+    the graph. Non-strict export runs the module under its own torch-function mode.
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch.overrides import _get_current_function_mode_stack
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except (AttributeError, IndexError, RuntimeError, AssertionError):
+        tx = None
+    if tx is not None:
+        return bool(getattr(tx, "export", False))
+    return any(type(mode).__name__ == "_NonStrictTorchFunctionHandler"
+               for mode in _get_current_function_mode_stack())
 
 
 def require(name: str, what: str) -> None:
