@@ -109,6 +109,7 @@ class TokenContext:
         checks.check_tensor(name, value)
         checks.check_integer_dtype(name, value, "one id per token")
         checks.check_shape(name, value, (self.batch, self.length), "(batch, length)")
+        checks.check_has_data(name, value)
         return value.to(self.device, torch.long)
 
     def span_mask(self, start: Tensor, stop: Tensor) -> Tensor:
@@ -254,6 +255,7 @@ class TokenContext:
             raise ValueError(
                 f"meta['edge_index'] must have shape (2, E), got {tuple(edges.shape)}"
             )
+        checks.check_has_data("meta['edge_index']", edges)
         edges = edges.to(self.device, torch.long)
         checks.check_range("meta['edge_index']", edges, 0, self.batch * self.length, "B * L")
         source, target = edges[0], edges[1]
