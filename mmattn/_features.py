@@ -124,9 +124,10 @@ def features() -> Features:
 def export_tracing() -> bool:
     """Whether ``torch.export`` traces now, on a torch without ``torch.compiler.is_exporting``
     (feature ``is_exporting``; :func:`mmattn._helpers.exporting` asks that one where it
-    exists). Strict export traces with dynamo, whose translator says ``export``; this
-    function runs at trace time (``assume_constant_result``), so its answer is a constant of
-    the graph. Non-strict export runs the module under its own torch-function mode.
+    exists), so that the export-safe paths and the clear refusals of what cannot export run
+    there too. Strict export traces with dynamo, whose translator says ``export``: this
+    function runs at trace time (``assume_constant_result``), its answer a constant of the
+    graph. Non-strict export runs the module under its own torch-function mode.
     """
     from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch.overrides import _get_current_function_mode_stack
