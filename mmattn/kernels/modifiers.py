@@ -325,6 +325,18 @@ def repeat_kv(k: Tensor, v: Tensor, groups: int) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
+def gqa_flag(groups: int) -> bool:
+    """SDPA's ``enable_gqa`` for ``groups`` query heads per key head, a Python bool.
+
+    Head counts can be symbolic (torch 2.5's ``torch.compile(dynamic=True)`` makes a
+    module's ints symbolic), and ``groups > 1`` then a SymBool, which that torch's SDPA
+    refuses; a branch on it is a guard instead, and the flag a constant.
+    """
+    if groups > 1:
+        return True
+    return False
+
+
 class _LseSink(torch.autograd.Function):
     """out · exp(ℓ − ℓ') from torch's CPU flash kernel; its own backward with ℓ' (exact)."""
 
@@ -365,5 +377,5 @@ def _sink_key(
     column = rows.to(q.dtype).expand(lead, heads, span, 1)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=torch.cat([base, column], dim=-1), dropout_p=dropout_p, scale=scale,
-        enable_gqa=groups > 1,
+        enable_gqa=gqa_flag(groups),
     )
