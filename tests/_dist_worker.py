@@ -164,10 +164,7 @@ def _ddp(find_unused: bool, outdir: Path):
 def _fsdp(outdir: Path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # FSDP2 before its public name (torch 2.5): the same function
-        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
     model = build_classifier()

@@ -23,6 +23,18 @@ def needs(name: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(getattr(features(), name) is not True, reason=reason(name))
 
 
+def fsdp2() -> bool:
+    """FSDP2 under its public name, ``torch.distributed.fsdp.fully_shard`` (torch 2.6+), which
+    runs on the CPU (gloo); torch 2.5's private one (``torch.distributed._composable``)
+    requires CUDA streams."""
+    import torch.distributed.fsdp as fsdp
+
+    return hasattr(fsdp, "fully_shard")
+
+
+FSDP2_REASON = "needs feature 'torch.distributed.fsdp.fully_shard' (FSDP2 on the CPU, torch 2.6+)"
+
+
 def hf_attention_interface(model_class: type) -> bool:
     """Whether a transformers model class sends its attention through transformers'
     ``AttentionInterface`` (which is where mmattn's backend is reached): transformers' own
