@@ -17,6 +17,8 @@ Examples:
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 from dataclasses import dataclass, fields
 
 import torch
@@ -27,11 +29,14 @@ __all__ = ["Features", "MissingFeature", "SINCE", "export_tracing", "features", 
 #: The first torch release with each feature: only for the messages that name it (the
 #: detection itself never reads a version).
 SINCE = {
-    "sdpa_gqa": "2.5",
-    "cpu_flash": "2.3",
-    "cpu_flash_gqa": "2.6",
-    "is_exporting": "2.7",
-    "recompile_limit": "2.7",
+    "sdpa_gqa": "torch >= 2.5",
+    "cpu_flash": "torch >= 2.3",
+    "cpu_flash_gqa": "a torch newer than 2.6",
+    "is_exporting": "torch >= 2.7",
+    "recompile_limit": "torch >= 2.7",
+    "flex_cpu": "torch >= 2.6",
+    "block_mask_seq_lengths": "torch >= 2.6",
+    "vmap_index": "a torch newer than 2.6",
 }
 
 
@@ -55,6 +60,12 @@ class Features:
             reads every query head's own key head, out of bounds on grouped heads.
         is_exporting: ``torch.compiler.is_exporting`` exists; without it a traced call
             cannot tell ``torch.export`` from ``torch.compile``.
+        flex_cpu: inductor has a CPU template for ``flex_attention`` (torch 2.5 lowers a
+            CPU flex call to CUDA: "Found no NVIDIA driver").
+        block_mask_seq_lengths: ``BlockMask.from_kv_blocks`` takes ``seq_lengths`` (a
+            BlockMask whose shape is the sequence's, not a whole number of blocks).
+        vmap_index: ``torch.vmap`` indexes a tensor with the 0-d tensors it maps over (a
+            ``mask_mod`` under plain vmap; torch 2.5 and 2.6 call ``.item()`` there).
         recompile_limit: the name of dynamo's per-code recompile limit in
             ``torch._dynamo.config`` (``"recompile_limit"``; ``"cache_size_limit"`` before).
     """
@@ -63,6 +74,9 @@ class Features:
     cpu_flash: bool
     cpu_flash_gqa: bool
     is_exporting: bool
+    flex_cpu: bool
+    block_mask_seq_lengths: bool
+    vmap_index: bool
     recompile_limit: str
 
     def missing(self) -> tuple[str, ...]:
@@ -99,6 +113,24 @@ def _cpu_flash_gqa(sdpa_gqa: bool, cpu_flash: bool) -> bool:
     return choice == SDPBackend.FLASH_ATTENTION.value
 
 
+def _block_mask_seq_lengths() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        return "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return False
+
+
+def _vmap_index() -> bool:
+    table = torch.arange(3)
+    try:
+        torch.vmap(lambda i: table[i])(torch.arange(2))
+    except RuntimeError:
+        return False
+    return True
+
+
 def _detect() -> Features:
     sdpa_gqa, cpu_flash = _sdpa_gqa(), _cpu_flash()
     config = torch._dynamo.config
@@ -107,6 +139,10 @@ def _detect() -> Features:
         cpu_flash=cpu_flash,
         cpu_flash_gqa=_cpu_flash_gqa(sdpa_gqa, cpu_flash),
         is_exporting=hasattr(torch.compiler, "is_exporting"),
+        flex_cpu=importlib.util.find_spec(
+            "torch._inductor.codegen.cpp_flex_attention_template") is not None,
+        block_mask_seq_lengths=_block_mask_seq_lengths(),
+        vmap_index=_vmap_index(),
         recompile_limit=(
             "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"),
     )
@@ -154,6 +190,6 @@ def require(name: str, what: str) -> None:
     """
     if getattr(features(), name) is not True:
         raise MissingFeature(
-            f"{what} needs torch >= {SINCE[name]} (feature {name!r}); this is torch "
+            f"{what} needs {SINCE[name]} (feature {name!r}); this is torch "
             f"{torch.__version__}"
         )

@@ -15,12 +15,20 @@ from mmattn._features import SINCE, features
 
 def reason(name: str) -> str:
     """The skip reason for a missing feature of :mod:`mmattn._features`."""
-    return f"needs feature {name!r} (torch >= {SINCE[name]})"
+    return f"needs feature {name!r} ({SINCE[name]})"
 
 
 def needs(name: str) -> pytest.MarkDecorator:
     """Skip unless this torch has the boolean feature ``name`` of :class:`Features`."""
     return pytest.mark.skipif(getattr(features(), name) is not True, reason=reason(name))
+
+
+def recompile_limits(per_code: int, accumulated: int) -> dict[str, int]:
+    """Dynamo's two recompile limits under this torch's names (``recompile_limit`` and
+    ``accumulated_recompile_limit``; ``cache_size_limit`` and ``accumulated_cache_size_limit``
+    before), for ``torch._dynamo.config.patch(**...)``."""
+    name = features().recompile_limit
+    return {name: per_code, f"accumulated_{name}": accumulated}
 
 
 def fsdp2() -> bool:

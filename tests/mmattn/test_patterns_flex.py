@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmattn import patterns as P
+from tests._features import recompile_limits
 from tests.mmattn._pattern_cases import fused_tokens, patterns, per_modality_pattern
 
 flex_module = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -51,7 +52,7 @@ ALWAYS = {("per-modality", True), ("per-modality", 16)}
 @pytest.fixture(autouse=True)
 def _room_for_every_graph():
     """One graph per mask_mod: more than dynamo's default limit of recompiles."""
-    with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
+    with torch._dynamo.config.patch(**recompile_limits(256, 4096)):
         yield
 
 
