@@ -7,21 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmattn._features import MissingFeature, features, require
 from mmattn._helpers import exporting
 from mmattn.kernels.modifiers import repeat_kv, sink_sdpa
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.__name__)
-        return func(*args, **(kwargs or {}))
+from tests.mmattn.kernels.test_value_width import Ops
 
 
 def test_cpu_flash_gqa_is_what_sdpa_dispatches_to():
@@ -29,7 +19,7 @@ def test_cpu_flash_gqa_is_what_sdpa_dispatches_to():
     q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
     if not features().sdpa_gqa:
         pytest.skip("needs feature 'sdpa_gqa'")
-    with _Ops() as seen:
+    with Ops() as seen:
         F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
     flash = "_scaled_dot_product_flash_attention_for_cpu.default" in seen.names
     assert flash == features().cpu_flash_gqa
