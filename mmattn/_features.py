@@ -37,6 +37,7 @@ SINCE = {
     "flex_cpu": "torch >= 2.6",
     "block_mask_seq_lengths": "torch >= 2.6",
     "vmap_index": "a torch newer than 2.6",
+    "guard_sqrt": "a torch newer than 2.5",
 }
 
 
@@ -66,6 +67,10 @@ class Features:
             BlockMask whose shape is the sequence's, not a whole number of blocks).
         vmap_index: ``torch.vmap`` indexes a tensor with the 0-d tensors it maps over (a
             ``mask_mod`` under plain vmap; torch 2.5 and 2.6 call ``.item()`` there).
+        guard_sqrt: dynamo can evaluate a guard over a symbolic square root (its printer has
+            ``_print_OpaqueUnaryFn_sqrt``); torch 2.5's ``dynamic=True`` makes a module's
+            head count symbolic, the default scale ``1 / sqrt(e)`` then sits in a guard that
+            fails with "name 'OpaqueUnaryFn_sqrt' is not defined".
         recompile_limit: the name of dynamo's per-code recompile limit in
             ``torch._dynamo.config`` (``"recompile_limit"``; ``"cache_size_limit"`` before).
     """
@@ -77,6 +82,7 @@ class Features:
     flex_cpu: bool
     block_mask_seq_lengths: bool
     vmap_index: bool
+    guard_sqrt: bool
     recompile_limit: str
 
     def missing(self) -> tuple[str, ...]:
@@ -131,6 +137,14 @@ def _vmap_index() -> bool:
     return True
 
 
+def _guard_sqrt() -> bool:
+    try:
+        from torch.utils._sympy.printers import PythonPrinter
+    except ImportError:
+        return False
+    return hasattr(PythonPrinter, "_print_OpaqueUnaryFn_sqrt")
+
+
 def _detect() -> Features:
     sdpa_gqa, cpu_flash = _sdpa_gqa(), _cpu_flash()
     config = torch._dynamo.config
@@ -143,6 +157,7 @@ def _detect() -> Features:
             "torch._inductor.codegen.cpp_flex_attention_template") is not None,
         block_mask_seq_lengths=_block_mask_seq_lengths(),
         vmap_index=_vmap_index(),
+        guard_sqrt=_guard_sqrt(),
         recompile_limit=(
             "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"),
     )
