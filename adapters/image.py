@@ -51,8 +51,10 @@ def _grid_and_pad(size: int, patch: int, stride: int) -> tuple[int, int]:
     stick out, and the image is padded (bottom/right) to cover it.
     """
     # sym_max, not a branch, so a traced size (torch.export) stays symbolic; a non-negative
-    # numerator where it counts, as ONNX divides integers toward zero, not down
-    count = torch.sym_max(1, math.ceil((size - patch) / stride) + 1)
+    # numerator where it counts, as ONNX divides integers toward zero, not down. Plain ints
+    # take the builtin (torch 2.5's dynamo cannot fold sym_max of ints)
+    count = math.ceil((size - patch) / stride) + 1
+    count = max(1, count) if isinstance(count, int) else torch.sym_max(1, count)
     return count, (count - 1) * stride + patch - size
 
 

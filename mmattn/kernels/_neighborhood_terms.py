@@ -26,7 +26,6 @@ and reach the one tile runner (:func:`._neighborhood.run_tiles`) as call argumen
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -41,7 +40,7 @@ def softmax_modifiers(modifiers: Modifiers | None) -> Modifiers | None:
     grid's, in the tiles' additive term, never the call's ``0 .. i - 1`` positions."""
     if not modifiers:
         return None
-    kept = replace(modifiers, slopes=None, q_pos=None, k_pos=None, bias=None)
+    kept = modifiers.replace(slopes=None, q_pos=None, k_pos=None, bias=None)
     return kept if kept else None
 
 

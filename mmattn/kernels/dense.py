@@ -247,7 +247,7 @@ def sdpa(
     else:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=groups > 1,
+            enable_gqa=_mods.gqa_flag(groups),
         )
     if out.shape[-1] != value_width:
         out = out[..., :value_width]

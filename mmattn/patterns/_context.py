@@ -107,6 +107,7 @@ class TokenContext:
         checks.check_integer_dtype(name, value, "one id per token")
         width = self.length if length is None else length
         checks.check_shape(name, value, (self.batch, width), "(batch, length)")
+        checks.check_has_data(name, value)
         return value.to(self.device, torch.long)
 
     def span_mask(self, start: Tensor, stop: Tensor) -> Tensor:
@@ -213,6 +214,7 @@ class TokenContext:
             raise ValueError(
                 f"meta['edge_index'] must have shape (2, E), got {tuple(edges.shape)}"
             )
+        checks.check_has_data("meta['edge_index']", edges)
         edges = edges.to(self.device, torch.long)
         checks.check_range("meta['edge_index']", edges, 0, self.batch * self.length, "B * L")
         source, target = edges[0], edges[1]
