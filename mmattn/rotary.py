@@ -142,15 +142,18 @@ def _cos_sin(angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _check_positions(positions: Tensor, x: Tensor, axes: int | None, owner: str) -> Tensor:
+def _check_positions(
+    positions: Tensor, x: Tensor, axes: int | None, owner: str, name: str = "positions"
+) -> Tensor:
     """Per-token positions for ``x`` (..., L, e): (L,) or (B, L) for one axis (``axes``
     None), (L, A) or (B, L, A) for ``axes`` = A; integer or floating, on ``x``'s device.
-    Returns them as float32 (the angles are computed in float32, as transformers does)."""
+    Returns them as float32 (the angles are computed in float32, as transformers does).
+    Errors call the argument ``name``."""
     if positions.dtype == torch.bool or not (
         positions.is_floating_point() or is_integer_dtype(positions.dtype)
     ):
-        raise TypeError(f"positions must hold integers or floats, got {positions.dtype}")
-    check_same_device("positions", positions, "x", x)
+        raise TypeError(f"{name} must hold integers or floats, got {positions.dtype}")
+    check_same_device(name, positions, "x", x)
     tail = () if axes is None else (axes,)
     length = x.shape[-2]
     shared = (length, *tail)
@@ -159,7 +162,7 @@ def _check_positions(positions: Tensor, x: Tensor, axes: int | None, owner: str)
     shape = tuple(positions.shape)
     if shape != shared and not (x.dim() == 4 and shape == batched):
         raise ValueError(
-            f"positions for {owner} must have shape {want}={shared} or {batched} (for x of "
+            f"{name} for {owner} must have shape {want}={shared} or {batched} (for x of "
             f"shape (B, H, L, e)={tuple(x.shape)}), got {shape}"
         )
     return positions.to(torch.float32)
@@ -274,7 +277,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"x must have at least 2 dims (..., L, dim), got {tuple(x.shape)}")
         check_last_dim("x", x, self.dim, "dim")
         if isinstance(offset, Tensor) and offset.dim() > 0:  # per-token positions
-            positions = _check_positions(offset, x, None, "RotaryEmbedding")
+            positions = _check_positions(
+                offset, x, None, "RotaryEmbedding", "offset (per-token positions)"
+            )
             angles = positions[..., None] * inverse_frequencies(self.dim, self.base, x.device)
             return _rotate(x, *_cos_sin(angles, x.dtype))
         cos, sin = rotary_cos_sin(

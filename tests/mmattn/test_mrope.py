@@ -120,7 +120,8 @@ def test_relative_positions_on_each_axis():
         (lambda: MultiAxisRotary(16, (2, 3, 3))(torch.randn(2, 2, 5, 8), 0), ValueError,
          "head_dim=16"),
         (lambda: RotaryEmbedding(8)(torch.randn(2, 2, 5, 8), torch.zeros(2, 4, dtype=torch.long)),
-         ValueError, r"positions for RotaryEmbedding must have shape \(L,\) or \(B, L\)"),
+         ValueError, r"offset \(per-token positions\) for RotaryEmbedding must have shape "
+                     r"\(L,\) or \(B, L\)"),
     ],
 )
 def test_bad_input_raises_named_errors(call, error, match):
