@@ -29,7 +29,7 @@ from mmattn._checks import (
     check_choice,
     check_factory_dtype,
     check_has_data,
-    check_integer_dtype,
+    check_lengths,
     check_pair,
     check_positive_int,
     check_rank,
@@ -195,22 +195,8 @@ class VideoPatcher(ModalityAdapter):
                 f"{tuple(video.shape)}"
             )
         check_has_data("video", video)
-        if lengths is None:
-            return
-        check_integer_dtype("lengths", lengths, "real frames per clip")
-        if tuple(lengths.shape) != (video.shape[0],):
-            raise ValueError(
-                f"lengths must have shape (batch,)=({video.shape[0]},), got "
-                f"{tuple(lengths.shape)}"
-            )
-        check_has_data("lengths", lengths)
-        if lengths.numel() and not torch.compiler.is_compiling():
-            low, high = int(lengths.min()), int(lengths.max())
-            if low < 1 or high > video.shape[2]:
-                raise ValueError(
-                    f"lengths must lie in [1, T={video.shape[2]}] (frames of video), got "
-                    f"values in [{low}, {high}]"
-                )
+        if lengths is not None:
+            check_lengths("lengths", lengths, video.shape[0], video.shape[2], "frames", "video")
 
     def _prepare(
         self, video: Tensor, lengths: Tensor | None

@@ -168,6 +168,24 @@ def _check_positions(
     return positions.to(torch.float32)
 
 
+def _check_x(x: object, dim: int, what: str) -> None:
+    """Raise unless ``x`` is a floating (..., L, dim) tensor (``what`` names ``dim``)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_floating("x", x)
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dims (..., L, {what}), got {tuple(x.shape)}")
+    check_last_dim("x", x, dim, what)
+
+
+def _at_offset(x: Tensor, dim: int, base: float, offset: int | Tensor) -> Tensor:
+    """``x`` (..., L, dim) rotated at positions ``offset, offset + 1, ...``."""
+    cos, sin = rotary_cos_sin(
+        x.shape[-2], dim, base=base, offset=offset, device=x.device, dtype=x.dtype
+    )
+    return apply_rotary(x, cos, sin)
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x`` rotated by per-token tables: (L, e) broadcast, or (B, L, e) over the heads."""
     if cos.dim() == 3:
@@ -270,22 +288,14 @@ class RotaryEmbedding(nn.Module):
         """Nothing to reset: the angles are fixed."""
 
     def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        check_floating("x", x)
-        if x.dim() < 2:
-            raise ValueError(f"x must have at least 2 dims (..., L, dim), got {tuple(x.shape)}")
-        check_last_dim("x", x, self.dim, "dim")
+        _check_x(x, self.dim, "dim")
         if isinstance(offset, Tensor) and offset.dim() > 0:  # per-token positions
             positions = _check_positions(
                 offset, x, None, "RotaryEmbedding", "offset (per-token positions)"
             )
             angles = positions[..., None] * inverse_frequencies(self.dim, self.base, x.device)
             return _rotate(x, *_cos_sin(angles, x.dtype))
-        cos, sin = rotary_cos_sin(
-            x.shape[-2], self.dim, base=self.base, offset=offset, device=x.device, dtype=x.dtype
-        )
-        return apply_rotary(x, cos, sin)
+        return _at_offset(x, self.dim, self.base, offset)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}"
@@ -377,18 +387,9 @@ class MultiAxisRotary(nn.Module):
         """Nothing to reset: the angles are fixed."""
 
     def forward(self, x: Tensor, positions: Tensor | int = 0) -> Tensor:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        check_floating("x", x)
-        if x.dim() < 2:
-            raise ValueError(f"x must have at least 2 dims (..., L, e), got {tuple(x.shape)}")
-        check_last_dim("x", x, self.dim, "head_dim")
+        _check_x(x, self.dim, "head_dim")
         if not isinstance(positions, Tensor) or positions.dim() == 0:  # an offset: text
-            cos, sin = rotary_cos_sin(
-                x.shape[-2], self.dim, base=self.base, offset=positions, device=x.device,
-                dtype=x.dtype,
-            )
-            return apply_rotary(x, cos, sin)
+            return _at_offset(x, self.dim, self.base, positions)
         positions = _check_positions(positions, x, self.num_axes, "MultiAxisRotary")
         axis = self.axis_index.to(x.device)  # a no-op where the module already lives
         angles = positions[..., axis] * inverse_frequencies(self.dim, self.base, x.device)
