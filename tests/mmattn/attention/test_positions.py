@@ -375,3 +375,12 @@ def test_compiled_and_exported_modules_take_positions():
     x2, pos2 = torch.randn(2, 6, D), positions3(2, 6)
     torch.testing.assert_close(exported.module()(x2, positions=pos2)[0],
                                mha(x2, positions=pos2)[0])
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_compiled_encoder_reads_meta_positions():
+    encoder = Encoder(D, 1, H, causal=True, attention_kwargs={"position": rope3()}).eval()
+    compiled = torch.compile(encoder, backend="aot_eager", fullgraph=True, dynamic=True)
+    for length in (6, 10):
+        tokens = Tokens(torch.randn(2, length, D), None, {"positions": positions3(2, length)})
+        torch.testing.assert_close(compiled(tokens).x, encoder(tokens).x)
