@@ -152,7 +152,7 @@ def test_video_digits_is_frame_causal_and_places_tokens_in_space_and_time():
 
     def encode(clip, caption):
         t = model.tokens(clip, caption)
-        return model.fusion.encoder(t, attn_mask=model.sparse_mask(t)).x
+        return model.fusion.encoder(t, attn_mask=model.attn_mask(t)).x
 
     with torch.no_grad():
         base = encode(video, text)
