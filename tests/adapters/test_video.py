@@ -243,3 +243,24 @@ def test_bad_constructor_arguments():
         VideoPatcher(D, positional="rope")
     with pytest.raises(ValueError, match="embed_dim must be divisible by 4"):
         VideoPatcher(6, positional="sincos")
+
+
+def test_exported_and_compiled_forms_give_eager_numbers():
+    patcher = VideoPatcher(D, tubelet=(2, 4, 4), num_frames=8, img_size=8).eval()
+    dims = {0: torch.export.Dim("B", min=1, max=8), 2: torch.export.Dim("T", min=3, max=8),
+            3: torch.export.Dim("H", min=5, max=64), 4: torch.export.Dim("W", min=5, max=64)}
+    exported = torch.export.export(
+        patcher, (torch.rand(2, 3, 6, 8, 12), torch.tensor([6, 3])),
+        dynamic_shapes=(dims, {0: dims[0]}),
+    ).module()
+    torch._dynamo.reset()
+    compiled = torch.compile(patcher, backend="aot_eager", fullgraph=True, dynamic=True)
+    for video, lengths in ((torch.rand(3, 3, 8, 12, 16), torch.tensor([8, 5, 1])),
+                           (torch.rand(1, 3, 5, 9, 20), torch.tensor([4]))):
+        want = patcher(video, lengths)
+        for form in (exported, compiled):
+            got = form(video, lengths)
+            torch.testing.assert_close(got.x, want.x, **TOL)
+            assert torch.equal(got.mask, want.mask) and torch.equal(got.meta["frames"],
+                                                                    want.meta["frames"])
+    torch._dynamo.reset()

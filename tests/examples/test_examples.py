@@ -23,6 +23,7 @@ PICTURES = {
     "graph_sbm": ["graph_sbm_attention.png"],
     "text_recall": ["text_recall_attention.png"],
     "multimodal_match": ["multimodal_match_mass.png"],
+    "video_digits": ["video_digits_frame.png"],
 }
 
 
