@@ -196,6 +196,30 @@ def check_range(name: str, value: Tensor, low: int, high: int, high_name: str = 
         raise ValueError(f"{name} must lie in [{low}, {bound}), got values in [{lo}, {hi}]")
 
 
+def check_lengths(
+    name: str, lengths: Tensor, batch: int, high: int, unit: str, source: str
+) -> None:
+    """Per-item lengths: a (batch,) integer tensor with every value in [1, high].
+
+    ``unit`` and ``source`` say what is counted: ``"samples"`` of ``"waveform"`` gives
+    "lengths must lie in [1, T=16000] (samples of waveform), ...". The range is read once
+    (skipped while ``torch.compile`` traces).
+    """
+    check_integer_dtype(name, lengths, f"{unit} per clip")
+    if tuple(lengths.shape) != (batch,):
+        raise ValueError(
+            f"{name} must have shape (batch,)=({batch},), got {tuple(lengths.shape)}"
+        )
+    check_has_data(name, lengths)
+    if lengths.numel() and not torch.compiler.is_compiling():
+        low, top = int(lengths.min()), int(lengths.max())
+        if low < 1 or top > high:
+            raise ValueError(
+                f"{name} must lie in [1, T={high}] ({unit} of {source}), got values in "
+                f"[{low}, {top}]"
+            )
+
+
 def check_pair(
     name: str, value: object, *, minimum: int = 1, what: str = "(height, width)"
 ) -> tuple[int, int]:

@@ -37,6 +37,12 @@ from mmattn.attention._neighborhood_geometry import (
     window_axes,
 )
 from mmattn.attention._packed_checks import check_packed, check_values
+from mmattn.attention._positions import (
+    check_packed_positions,
+    check_positions,
+    rotate,
+    rotate_rows,
+)
 from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels._neighborhood_terms import softmax_modifiers
@@ -107,7 +113,9 @@ class NeighborhoodAttention(MultiHeadAttention):
         device, dtype: factory arguments for the parameters.
         num_kv_heads: key/value heads (grouped-query attention), as :class:`MultiHeadAttention`.
         position: applied to q and k after the head split (e.g. ``"rotary"``), positions
-            counted along each item's token order from 0.
+            counted along each item's token order from 0, or at ``forward(...,
+            positions=)`` (e.g. a :class:`~mmattn.rotary.MultiAxisRotary` at each patch's
+            (frame, row, column)).
         sinks, softcap, alibi: score modifiers, as :class:`MultiHeadAttention`; ALiBi's
             distance is Euclidean between grid cells, in every axis (0 for a pair with a
             global token).
@@ -217,7 +225,7 @@ class NeighborhoodAttention(MultiHeadAttention):
         Raises:
             ValueError: ``meta`` has no grid (the message names the key and its adapter).
         """
-        return grid_from_meta(meta)
+        return {**super().geometry(meta), **grid_from_meta(meta)}
 
     def window(self, grid: Grid) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
         """Per-axis (kernel, dilation, causal) for a call's (checked) ``grid``: the module's
@@ -253,6 +261,7 @@ class NeighborhoodAttention(MultiHeadAttention):
         *,
         grid: Grid | Sequence[Grid] | None = None,
         grid_start: int | Sequence[int] | None = None,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | list[Tensor] | None]:
         """Attend each patch's window; see the class docstring for shapes.
 
@@ -265,7 +274,7 @@ class NeighborhoodAttention(MultiHeadAttention):
             "key": key, "value": value, "key_padding_mask": key_padding_mask,
             "need_weights": need_weights, "attn_mask": attn_mask,
             "average_attn_weights": average_attn_weights, "is_causal": is_causal,
-            "grid": grid, "grid_start": grid_start,
+            "grid": grid, "grid_start": grid_start, "positions": positions,
         })
         if traced is not None:  # torch.fx: one call_module node (see attention/_fx.py)
             return traced
@@ -280,7 +289,7 @@ class NeighborhoodAttention(MultiHeadAttention):
             vv, _ = (kv, k_off) if value is key else contiguous_parts(value)
             out, weights = self._rows(
                 qv, q_off, kv, k_off, vv, grid, grid_start, attn_mask, need_weights,
-                average_attn_weights,
+                average_attn_weights, positions,
             )
             return jagged(out, q_off), weights
         if isinstance(query, Tensor) and query.is_nested:
@@ -295,10 +304,12 @@ class NeighborhoodAttention(MultiHeadAttention):
         query, key, value, key_padding_mask = to_batch_first(
             self, batched, query, key, value, key_padding_mask
         )
+        positions = check_positions(
+            self, positions, query.shape[0] if batched else None, query.shape[1], query
+        )
         q = rearrange(self.q_proj(query), "b l (h e) -> b h l e", h=self.num_heads)
         k, v = self._project_kv(key, value)
-        if self.position is not None:
-            q, k = self.position(q, 0), self.position(k, 0)
+        q, k = rotate(self, q, k, 0 if positions is None else positions)
         mask = merge_masks(
             key_padding_mask, attn_mask, batch_size=q.shape[0], num_heads=self.num_heads,
             dtype=q.dtype,
@@ -323,6 +334,7 @@ class NeighborhoodAttention(MultiHeadAttention):
         grid_start: int | Sequence[int] | None = None,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """Packed attention on the rows of a jagged batch: one grid per item (NaViT).
 
@@ -331,12 +343,15 @@ class NeighborhoodAttention(MultiHeadAttention):
             - returns: (t, embed_dim)
         """
         _check_not_causal(is_causal)
-        out, _ = self._rows(qv, q_off, kv, k_off, vv, grid, grid_start, attn_mask, False, True)
+        out, _ = self._rows(
+            qv, q_off, kv, k_off, vv, grid, grid_start, attn_mask, False, True, positions
+        )
         return out
 
     def _rows(
         self, qv: Tensor, q_off: Tensor, kv: Tensor, k_off: Tensor, vv: Tensor, grid: Any,
         grid_start: Any, attn_mask: Tensor | None, need_weights: bool, average: bool,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor] | None]:
         """The packed forward on (t, d) rows; each item alone on its own grid."""
         check_values(self, qv, kv, vv)
@@ -360,7 +375,10 @@ class NeighborhoodAttention(MultiHeadAttention):
         q = rearrange(self.q_proj(qv), "t (h e) -> t h e", h=self.num_heads)
         k = rearrange(self.k_proj(kv), "t (k e) -> t k e", k=self.num_kv_heads)
         v = rearrange(self.v_proj(vv), "t (k e) -> t k e", k=self.num_kv_heads)
-        if self.position is not None:
+        pos_rows = check_packed_positions(self, positions, lengths, qv)  # (t[, a])
+        if pos_rows is not None:
+            q, k = (rotate_rows(self, t, pos_rows) for t in (q, k))
+        elif self.position is not None:
             q, k = (rows_position(self.position, t, lengths) for t in (q, k))
         out = weights = None
         if items:
