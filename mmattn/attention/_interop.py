@@ -449,14 +449,17 @@ def separate_projections(module: nn.MultiheadAttention) -> None:
     from our eager forward in the last bits. With one product each, and torch's SDPA on the
     same q, k, v and mask, the twin gives our numbers bit for bit (the separate layout also
     keeps torch's eval fast path, a kernel of its own, out).
+
+    ``in_proj_weight`` stays, and the three are views of its storage: client code reads it
+    (``nn.TransformerEncoderLayer``'s fast-path check lists it, torchaudio's WavLM projects
+    with it), and an optimizer step on the separate weights is seen there too.
     """
     if not module._qkv_same_embed_dim:
         return
     packed = module.in_proj_weight
     for name, part in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"),
                           packed.detach().chunk(3)):
-        setattr(module, name, nn.Parameter(part.clone(), packed.requires_grad))
-    module.register_parameter("in_proj_weight", None)
+        setattr(module, name, nn.Parameter(part, packed.requires_grad))
     module._qkv_same_embed_dim = False
 
 
