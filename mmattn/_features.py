@@ -2,11 +2,13 @@
 attribute or torch's own dispatcher, never by its version string (DESIGN, sixth wave,
 "Versions").
 
-The engines of :mod:`mmattn.kernels.engines` (varlen, flex) keep their own detection
-(:func:`mmattn.kernels.engines.available`); this module holds every other fact a path
-depends on. A path without its feature falls back to one that gives the same numbers, or
-raises :class:`MissingFeature` naming the torch release that brings it (:func:`require`).
-Tests skip by feature name (``tests/_features.py``).
+Every fact that more than one path depends on is detected here, once; the engines' own
+facts (varlen's and flex's signatures, Triton, the GPU's capability) are detected by
+:func:`mmattn.kernels.engines.available`, which reads the shared ones (``flex_cpu``,
+``block_mask_seq_lengths``, ``recompile_limit``) from here. A path without its feature falls
+back to one that gives the same numbers, or raises :class:`MissingFeature` naming the torch
+release that brings it (:func:`require`). Tests skip by feature name
+(``tests/_features.py``).
 
 Examples:
     >>> isinstance(features().sdpa_gqa, bool)
@@ -36,7 +38,6 @@ SINCE = {
     "recompile_limit": "torch >= 2.7",
     "flex_cpu": "torch >= 2.6",
     "block_mask_seq_lengths": "torch >= 2.6",
-    "vmap_index": "a torch newer than 2.6",
     "guard_sqrt": "a torch newer than 2.5",
 }
 
@@ -65,8 +66,6 @@ class Features:
             CPU flex call to CUDA: "Found no NVIDIA driver").
         block_mask_seq_lengths: ``BlockMask.from_kv_blocks`` takes ``seq_lengths`` (a
             BlockMask whose shape is the sequence's, not a whole number of blocks).
-        vmap_index: ``torch.vmap`` indexes a tensor with the 0-d tensors it maps over (a
-            ``mask_mod`` under plain vmap; torch 2.5 and 2.6 call ``.item()`` there).
         guard_sqrt: dynamo can evaluate a guard over a symbolic square root (its printer has
             ``_print_OpaqueUnaryFn_sqrt``); torch 2.5's ``dynamic=True`` makes a module's
             head count symbolic, the default scale ``1 / sqrt(e)`` then sits in a guard that
@@ -81,7 +80,6 @@ class Features:
     is_exporting: bool
     flex_cpu: bool
     block_mask_seq_lengths: bool
-    vmap_index: bool
     guard_sqrt: bool
     recompile_limit: str
 
@@ -128,15 +126,6 @@ def _block_mask_seq_lengths() -> bool:
         return False
 
 
-def _vmap_index() -> bool:
-    table = torch.arange(3)
-    try:
-        torch.vmap(lambda i: table[i])(torch.arange(2))
-    except RuntimeError:
-        return False
-    return True
-
-
 def _guard_sqrt() -> bool:
     try:
         from torch.utils._sympy.printers import PythonPrinter
@@ -156,7 +145,6 @@ def _detect() -> Features:
         flex_cpu=importlib.util.find_spec(
             "torch._inductor.codegen.cpp_flex_attention_template") is not None,
         block_mask_seq_lengths=_block_mask_seq_lengths(),
-        vmap_index=_vmap_index(),
         guard_sqrt=_guard_sqrt(),
         recompile_limit=(
             "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"),

@@ -20,6 +20,15 @@ def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def static_int(n: int) -> int:
+    """``n`` as a plain int; a traced size (``torch.SymInt`` of a dynamic torch.compile) is
+    specialised to its value, with one guard. Written ``len(range(n))``: dynamo specialises a
+    range's bounds on every torch, where ``int(n)`` stays symbolic on torch 2.5 (and an
+    ``assume_constant_result`` given it then fails to compile) and ``operator.index`` is
+    refused there."""
+    return len(range(n))
+
+
 def default(value: T | None, fallback: T) -> T:
     """``value`` unless it is None, else ``fallback``."""
     return fallback if value is None else value

@@ -3,6 +3,11 @@ spellings the running torch has, and the device facts :func:`mmattn.kernels.engi
 decides from. Features are detected by signature and attribute, never by version string; a
 missing one means the fallback (or the older spelling), never an error.
 
+Nothing is detected twice: the facts other paths need too (``BlockMask.from_kv_blocks``'s
+``seq_lengths``, inductor's CPU flex template, the recompile limit's name) are read from
+:func:`mmattn._features.features`, the module of detected facts; only the engines' own
+(their signatures, their exceptions, Triton, the device's capability) are detected here.
+
 Re-exported by :mod:`mmattn.kernels.engines` (``engines.available()``).
 """
 
@@ -14,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from mmattn._features import features
 
 __all__ = ["Available", "available", "capability", "recompile_limit"]
 
@@ -30,14 +37,20 @@ class Available:
         flex_aux: ``flex_attention(return_aux=AuxRequest(lse=True))`` (the newer spelling).
         flex_lse: ``flex_attention(return_lse=True)`` (the older one, deprecated where
             ``return_aux`` exists); sinks on flex need one of the two.
-        flex_seq_lengths: ``BlockMask.from_kv_blocks`` takes ``seq_lengths``.
+        flex_seq_lengths: ``BlockMask.from_kv_blocks`` takes ``seq_lengths`` (feature
+            ``block_mask_seq_lengths``).
+        flex_cpu: inductor has a CPU template for flex (feature ``flex_cpu``; without it a
+            CPU flex call lowers to CUDA, so flex is refused off CUDA).
         mask_compile_flag: ``create_block_mask`` still takes ``_compile`` (deprecated: the
             block masks are built by ``torch.compile(create_block_mask)``, the flag only where
             that fails).
         triton: Triton is installed (flex compiles for CUDA with it).
         limit_name: the name of dynamo's recompile limit in ``torch._dynamo.config``
-            ("recompile_limit", or "cache_size_limit" in older torch; "" when neither).
-        limit_errors: the exceptions dynamo raises when a ``fullgraph`` function reaches it.
+            ("recompile_limit", or "cache_size_limit" in older torch: feature
+            ``recompile_limit``).
+        limit_errors: the exceptions dynamo raises when a ``fullgraph`` function reaches it
+            (``FailOnRecompileLimitHit``; ``FailOnCacheLimitHit`` before, and before that,
+            torch 2.5, the limit's own ``CacheLimitExceeded``).
     """
 
     varlen: bool = False
@@ -47,6 +60,7 @@ class Available:
     flex_aux: bool = False
     flex_lse: bool = False
     flex_seq_lengths: bool = False
+    flex_cpu: bool = True
     mask_compile_flag: bool = False
     triton: bool = True
     limit_name: str = ""
@@ -69,7 +83,8 @@ def _parameters(fn: object) -> Mapping[str, inspect.Parameter]:
 def available() -> Available:
     """The engines of the running torch, detected once from their signatures and attributes
     (never from version strings): a missing feature means the fallback, never an error."""
-    found: dict[str, object] = {}
+    facts = features()
+    found: dict[str, object] = {"flex_cpu": facts.flex_cpu, "limit_name": facts.recompile_limit}
     try:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -86,8 +101,7 @@ def available() -> Available:
             flex=hasattr(flex.BlockMask, "from_kv_blocks"),
             flex_aux="return_aux" in params and hasattr(flex, "AuxRequest"),
             flex_lse="return_lse" in params,
-            flex_seq_lengths="seq_lengths" in _parameters(
-                getattr(flex.BlockMask, "from_kv_blocks", None)),
+            flex_seq_lengths=facts.block_mask_seq_lengths,
             mask_compile_flag="_compile" in _parameters(flex.create_block_mask),
         )
     except (ImportError, AttributeError):
@@ -101,10 +115,9 @@ def available() -> Available:
     try:
         import torch._dynamo as dynamo
 
-        found["limit_name"] = next((n for n in ("recompile_limit", "cache_size_limit")
-                                    if hasattr(dynamo.config, n)), "")
         found["limit_errors"] = tuple(
-            getattr(dynamo.exc, n) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+            getattr(dynamo.exc, n) for n in (
+                "FailOnRecompileLimitHit", "FailOnCacheLimitHit", "CacheLimitExceeded")
             if isinstance(getattr(dynamo.exc, n, None), type))
     except (ImportError, AttributeError):
         pass

@@ -22,12 +22,13 @@ variable ``MMATTN_FUSED_ATTN=0`` (read at import) or :func:`set_fused_attn`. Eve
 adapter reads the switch through :func:`use_fused_attn` at call time.
 
 A listener registered with :func:`add_listener` (``mmattn.debug.explain`` does) is told about
-every attention call: which path ran and why. With no listener the cost is one list check.
+every attention call: which path ran and why. With no listener the cost is one int check.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -80,6 +81,17 @@ _LISTENERS: ContextVar[tuple[Listener, ...]] = ContextVar("mmattn_listeners", de
 # the facts every report inside a call adds (report_facts); never mutated, replaced
 _FACTS: ContextVar[Mapping[str, Any]] = ContextVar("mmattn_report_facts",
                                                    default=MappingProxyType({}))
+# How many listeners all contexts hold together. While none does (every call outside
+# explain), the checks read this int only, never a ContextVar: compiled code guards on it as
+# on any global, on every torch (torch 2.5's dynamo cannot trace ContextVar.get).
+_ADDED = 0
+_ADDED_LOCK = threading.Lock()
+
+
+def _count(change: int) -> None:
+    global _ADDED
+    with _ADDED_LOCK:
+        _ADDED += change
 
 
 def add_listener(listener: Listener) -> Callable[[], None]:
@@ -96,18 +108,20 @@ def add_listener(listener: Listener) -> Callable[[], None]:
     holds the ALiBi term) and the sink logit of each head.
     """
     _LISTENERS.set((*_LISTENERS.get(), listener))
+    _count(1)
 
     def remove() -> None:
         current = _LISTENERS.get()
         if listener in current:
             _LISTENERS.set(tuple(other for other in current if other is not listener))
+            _count(-1)
 
     return remove
 
 
 def reporting() -> bool:
     """True while a listener wants path reports (so callers can skip building them)."""
-    return bool(_LISTENERS.get())
+    return _ADDED > 0 and bool(_LISTENERS.get())
 
 
 def report(path: str, reasons: list[str] | None = None, **facts: Any) -> None:
@@ -127,7 +141,10 @@ def current_facts() -> Mapping[str, Any]:
 def report_facts(**facts: Any) -> Iterator[None]:
     """Add ``facts`` to every path report made inside the block (the bucket a layer's own
     kernel runs on, for the listeners that map its rows back to the items; the engine and
-    why, for a fallback)."""
+    why, for a fallback). Without a listener it does nothing (nobody reads the facts)."""
+    if not reporting():
+        yield
+        return
     token = _FACTS.set(MappingProxyType({**_FACTS.get(), **facts}))
     try:
         yield
@@ -448,7 +465,7 @@ def attend(
     if is_causal and (mask is not None or explicit or bias is not None):
         mask = with_causal(mask, q.shape[-2], k.shape[-2], q.device)
         is_causal = False
-    if report_path and _LISTENERS.get():
+    if report_path and reporting():
         report(
             "explicit" if explicit else "fused", explicit_reasons(need_weights, mods), q=q, k=k,
             v=v, mask=_mods.with_bias(mask, bias), dropout_p=dropout_p, is_causal=is_causal,

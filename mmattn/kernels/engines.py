@@ -26,8 +26,9 @@ compute capability, dtype, head width, flex's tile) and the engines present
 (:class:`Available`), so the routing is tested without a GPU; an engine is chosen only where
 torch's own checks would let it run (flash: compute capability 8.0+, half precision, head
 widths 8..256; flex on CUDA: power-of-two tiles of 16+, head widths 16+). :func:`available`
-is the one module of detected facts: engines, their arguments, the deprecated forms' new
-spellings, dynamo's recompile limit (features, never version strings).
+holds the engines' detected facts: engines, their arguments, the deprecated forms' new
+spellings, dynamo's recompile limit (features, never version strings; those other paths
+need too are read from :mod:`mmattn._features`).
 
 The promise (DESIGN, sixth wave): a call never raises because of an engine. :func:`attempt`
 runs the chosen engine; dynamo's recompile limit runs the fallback with one warning, and any
@@ -56,6 +57,7 @@ from typing import TypeVar
 
 import torch
 
+from mmattn._features import SINCE
 from mmattn.kernels._engine_facts import Available, available, capability, recompile_limit
 
 __all__ = [
@@ -267,6 +269,9 @@ def _flex_refusal(call: Call, have: Available, forced_here: bool) -> str | None:
         return _flex_cuda_refusal(call, have)
     if not forced_here:
         return f"on {call.device} mmattn's own kernels run (flex only when forced)"
+    if not have.flex_cpu:  # torch would lower the call to CUDA ("Found no NVIDIA driver")
+        return (f"flex_attention has no {call.device} kernel in this torch (it needs "
+                f"{SINCE['flex_cpu']}: inductor's CPU flex template, feature 'flex_cpu')")
     if call.grad:
         return f"flex_attention has no backward on {call.device}"
     return None

@@ -43,7 +43,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mmattn import _checks as checks
-from mmattn._helpers import exporting
+from mmattn._helpers import exporting, static_int
 from mmattn._masks_grid import check_window
 from mmattn.kernels import _inputs, _routes
 from mmattn.kernels import dense as _kernel
@@ -102,8 +102,8 @@ def padded_items(
     grids = [tuple(g) for g in grid] if isinstance(grid, list) else [tuple(grid)] * batch
     starts = _per_item(num_global_tokens if grid_start is None else grid_start, batch)
     return tuple(
-        Item(m * length, length, tuple(int(n) for n in shape), int(start),
-             grid_start is not None)
+        Item(m * length, length, tuple(static_int(n) for n in shape), static_int(start),
+             grid_start is not None)  # static: a traced module's ints are symbolic on 2.5
         for m, (shape, start) in enumerate(zip(grids, starts))
     )
 
@@ -338,7 +338,7 @@ def neighborhood_attend(
         )
     if not traced and (batch == 0 or length == 0):
         return _kernel.attend(q, k, v, None, need_weights=need_weights, report_path=False)
-    length = int(length)  # the plan's static size (a traced length is specialised here)
+    length = static_int(length)  # the plan's static size (a traced length specialised)
     items = padded_items(
         1 if shared else batch, length, grid, num_global_tokens=num_global_tokens,
         grid_start=grid_start,

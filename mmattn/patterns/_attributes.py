@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn.patterns._base import Bound, Pattern
-from mmattn.patterns._context import Chunk, Rule, Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Chunk, Rule, Tiles, TokenContext, k_axis, lookup, q_axis
 from mmattn.patterns._positions import Full
 from mmattn.patterns._segments import SegmentForm
 
@@ -38,8 +38,8 @@ class Same(Pattern):
         ids = self.ids(ctx)
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            iq = ids[b, q]
-            return (iq == ids[b, k]) & (iq >= 0)
+            iq = lookup(ids, b, q)
+            return (iq == lookup(ids, b, k)) & (iq >= 0)
 
         return rule
 
@@ -105,10 +105,10 @@ class Modality(Pattern):
         if wq is None and wk is None:
             return lambda b, q, k: (q == q) & (k == k)
         if wq is None:
-            return lambda b, q, k: wk[b, k]
+            return lambda b, q, k: lookup(wk, b, k)
         if wk is None:
-            return lambda b, q, k: wq[b, q]
-        return lambda b, q, k: wq[b, q] & wk[b, k]
+            return lambda b, q, k: lookup(wq, b, q)
+        return lambda b, q, k: lookup(wq, b, q) & lookup(wk, b, k)
 
     def bound(self, ctx: TokenContext, tiles: Tiles) -> Bound:
         ids, names = ctx.modalities()

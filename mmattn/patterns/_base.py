@@ -28,7 +28,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mmattn.patterns._context import Bound, Chunk, Rule, Tiles, TokenContext, with_padding
+from mmattn.patterns._context import (
+    Bound,
+    Chunk,
+    Rule,
+    Tiles,
+    TokenContext,
+    lookup,
+    with_padding,
+)
 from mmattn.patterns._segments import SegmentForm
 from mmattn.patterns._sparse_mask import SparseMask, compile_pattern
 from mmattn.tokens import Tokens
@@ -184,19 +192,27 @@ class Pattern:
         L)`` allows exactly what :meth:`dense` does (the head index is ignored). Every table
         it reads is built here (:meth:`prepare`); inside, it only indexes and compares, so
         ``torch.compile(flex_attention)`` compiles it, also when its first use is traced
-        (``create_block_mask(..., _compile=True)``). See docs/patterns.md, "On a GPU".
+        (``create_block_mask(..., _compile=True)``), and under a plain ``torch.vmap``. See
+        docs/patterns.md, "On a GPU".
+
+        An index past the tokens allows nothing: torch 2.5's ``create_block_mask`` rounds the
+        lengths up to whole blocks and calls the mask_mod there, so the lookups read the
+        indices clamped to the last token (a 0-d tensor bound, data like the tables).
 
         Returns:
             ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on integer index tensors.
         """
         ctx = TokenContext(tokens)
         rule = self.prepared(ctx)
-        if ctx.all_real:
-            return lambda b, h, q_idx, kv_idx: rule(b, q_idx, kv_idx)
-        real = ctx.real
+        real = None if ctx.all_real else ctx.real
+        last = torch.tensor(ctx.length - 1, device=ctx.device)
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return rule(b, q_idx, kv_idx) & real[b, q_idx] & real[b, kv_idx]
+            q, k = torch.minimum(q_idx, last), torch.minimum(kv_idx, last)
+            allowed = rule(b, q, k) & (q == q_idx) & (k == kv_idx)
+            if real is None:
+                return allowed
+            return allowed & lookup(real, b, q) & lookup(real, b, k)
 
         return mask_mod
 

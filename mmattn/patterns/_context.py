@@ -46,6 +46,15 @@ Bound = tuple[Tensor, Tensor]
 Rule = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
+def lookup(table: Tensor, *index: Tensor) -> Tensor:
+    """``table[index]`` for integer index tensors (broadcast together): ``aten.index``, the
+    op that ``Tensor.__getitem__`` reaches and FlexAttention traces, called directly, so that
+    a rule or ``mask_mod`` also runs under a plain ``torch.vmap`` on the torch releases whose
+    ``__getitem__`` reads a 0-d index with ``.item()``, which vmap refuses (2.5, 2.6). The
+    graphs flex traces are the same (its tracing turns ``__getitem__`` into this op)."""
+    return torch.ops.aten.index(table, list(index))
+
+
 class TokenContext:
     """The token attributes of one batch (read lazily from ``tokens.meta``, cached).
 
@@ -325,7 +334,7 @@ def with_padding(
     if ctx.all_real:
         return allowed
     real = ctx.real
-    return allowed & real[b, q] & real[b, k]
+    return allowed & lookup(real, b, q) & lookup(real, b, k)
 
 
 def padding_bound(ctx: TokenContext, tiles: Tiles) -> Bound | None:

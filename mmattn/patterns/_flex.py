@@ -24,6 +24,7 @@ from torch import Tensor
 
 from mmattn._jagged import runs_of
 from mmattn.kernels.engines import FLEX_MIN_BLOCK, available, flex_block_refusal
+from mmattn.patterns._context import lookup
 
 #: Tile table entries besides a mixed tile's index.
 FULL, EMPTY = -2, -1
@@ -74,13 +75,23 @@ def tile_table(batch: int, n: int, full_tiles: Tensor, mixed_tiles: Tensor) -> T
 
 def tile_mask_mod(table: Tensor, masks: Tensor, block: int) -> Callable[..., Tensor]:
     """The exact ``mask_mod(b, h, q_idx, kv_idx)`` of the tiles: a lookup, True inside full
-    tiles (pure indexing, so it compiles in FlexAttention's pointwise mask graph)."""
+    tiles (pure indexing, so it compiles in FlexAttention's pointwise mask graph, and
+    :func:`~mmattn.patterns._context.lookup`, so it runs under a plain ``torch.vmap``).
+
+    The tile indices are clamped to the last tile: a torch without
+    ``BlockMask.from_kv_blocks(seq_lengths=)`` (feature ``block_mask_seq_lengths``) sizes the
+    BlockMask in whole blocks, and its compiled flex and mask builds call the mask_mod past
+    the sequence (the kernel discards those positions; they must only not index out of
+    bounds). The bound is a 0-d tensor, data like the tables, not a Python int.
+    """
     if masks.shape[0] == 0:  # nothing to look up: one empty mask keeps the indexing valid
         masks = torch.zeros(1, block, block, dtype=torch.bool, device=masks.device)
+    last = torch.tensor(table.shape[-1] - 1, device=table.device)  # the last tile
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        entry = table[b, q_idx // block, kv_idx // block]
-        exact = masks[entry.clamp(min=0), q_idx % block, kv_idx % block]
+        entry = lookup(table, b, torch.minimum(q_idx // block, last),
+                       torch.minimum(kv_idx // block, last))
+        exact = lookup(masks, entry.clamp(min=0), q_idx % block, kv_idx % block)
         return torch.where(entry >= 0, exact, entry == FULL)
 
     return mask_mod

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from mmattn.patterns._base import Bound, Pattern
-from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, lookup, q_axis
 
 
 class CausalBy(Pattern):
@@ -33,8 +33,8 @@ class CausalBy(Pattern):
         ids = self.ids(ctx)
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            ik = ids[b, k]
-            return (ik <= ids[b, q]) & (ik >= 0)  # ik >= 0 and ik <= iq: iq >= 0 too
+            ik = lookup(ids, b, k)
+            return (ik <= lookup(ids, b, q)) & (ik >= 0)  # ik >= 0 and ik <= iq: iq >= 0 too
 
         return rule
 

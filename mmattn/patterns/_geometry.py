@@ -18,7 +18,7 @@ from mmattn._jagged import runs_of
 from mmattn._masks_grid import axis_window, check_window, window_axes
 from mmattn.patterns._attributes import Modality, _names
 from mmattn.patterns._base import Bound, Pattern
-from mmattn.patterns._context import Chunk, Rule, Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Chunk, Rule, Tiles, TokenContext, k_axis, lookup, q_axis
 from mmattn.patterns._grids import Grid
 
 __all__ = ["neighborhood", "edges"]
@@ -108,8 +108,8 @@ class _SameGrid(Pattern):
         gid = self.owner._grid(ctx).gid
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            gq = gid[b, q]
-            return (gq == gid[b, k]) & (gq >= 0)
+            gq = lookup(gid, b, q)
+            return (gq == lookup(gid, b, k)) & (gq >= 0)
 
         return rule
 
@@ -142,9 +142,9 @@ class _AxisWindow(Pattern):
         apart = self.dilation > 1  # (without dilation, every position is in subgrid 0)
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            ik = idx[b, k]
-            inside = (ik >= start[b, q]) & (ik < stop[b, q])
-            return inside & (sub[b, k] == sub[b, q]) if apart else inside
+            ik = lookup(idx, b, k)
+            inside = (ik >= lookup(start, b, q)) & (ik < lookup(stop, b, q))
+            return inside & (lookup(sub, b, k) == lookup(sub, b, q)) if apart else inside
 
         return rule
 
@@ -177,15 +177,15 @@ class Edges(Pattern):
         self_loops = self.self_loops
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            start, count = starts[b, q], counts[b, q]
+            start, count = lookup(starts, b, q), lookup(counts, b, q)
             stop = start + count
             # binary lifting: pos = start + the number of the query's sources below k
             pos = start
             for step in steps:
                 ahead = pos + step
-                below = sources[(ahead - 1).clamp(max=last)] < k
+                below = lookup(sources, (ahead - 1).clamp(max=last)) < k
                 pos = torch.where((ahead <= stop) & below, ahead, pos)
-            hit = (pos < stop) & (sources[pos.clamp(max=last)] == k)
+            hit = (pos < stop) & (lookup(sources, pos.clamp(max=last)) == k)
             return hit | (q == k) if self_loops else hit
 
         return rule

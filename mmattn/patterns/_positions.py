@@ -13,7 +13,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn.patterns._base import Bound, Pattern
-from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, lookup, q_axis
 from mmattn.patterns._frames import CausalBy
 from mmattn.patterns._segments import SegmentForm
 
@@ -95,8 +95,8 @@ class Chunked(Pattern):
         lo, hi = chunks - self.left, chunks + self.right
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            ck = chunks[b, k]
-            return (ck >= lo[b, q]) & (ck <= hi[b, q])
+            ck = lookup(chunks, b, k)
+            return (ck >= lookup(lo, b, q)) & (ck <= lookup(hi, b, q))
 
         return rule
 

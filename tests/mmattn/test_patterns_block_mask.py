@@ -10,7 +10,7 @@ import torch
 
 from mmattn import Tokens
 from mmattn import patterns as P
-from tests._features import needs
+from mmattn._features import features
 from tests.mmattn._pattern_cases import fused_tokens, per_modality_pattern
 from tests.mmattn.test_patterns_compile import LargeAllocations, long_fused
 from tests.mmattn.test_patterns_mask_mod import HostReads
@@ -32,7 +32,6 @@ def tiles_per_row(tiles: torch.Tensor, batch: int, n: int) -> torch.Tensor:
     return counts
 
 
-@needs("block_mask_seq_lengths")
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("pattern", [PER_MODALITY, P.same("documents") & P.causal(),
                                      ~P.full(), P.full()], ids=["per-modality", "docs",
@@ -42,7 +41,9 @@ def test_block_counts_are_the_sparse_masks_tiles(pattern, block):
     bm = mask.block_mask()
     n = mask.tiles_per_axis
     assert bm.BLOCK_SIZE == (block, block)
-    assert bm.shape[-2:] == (FUSED.length, FUSED.length)
+    # the sequence's shape; in whole blocks where from_kv_blocks takes no seq_lengths
+    side = FUSED.length if features().block_mask_seq_lengths else n * block
+    assert bm.shape[-2:] == (side, side)
     partial = tiles_per_row(mask.mixed_tiles, FUSED.batch_size, n)
     full = tiles_per_row(mask.full_tiles, FUSED.batch_size, n)
     assert torch.equal(bm.kv_num_blocks[:, 0].long(), partial)
@@ -57,7 +58,6 @@ def test_block_counts_are_the_sparse_masks_tiles(pattern, block):
     assert mask.block_mask() is bm  # cached
 
 
-@needs("vmap_index")
 def test_mask_mod_is_the_exact_mask():
     mask = PER_MODALITY.compile(FUSED, block_size=16)
     mask_mod = mask.block_mask().mask_mod

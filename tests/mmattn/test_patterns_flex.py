@@ -12,13 +12,14 @@ with ``block_mask()``.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mmattn import patterns as P
-from mmattn._features import features
-from tests._features import needs, reason, recompile_limits
+from tests._features import needs, recompile_limits
 from tests.mmattn._pattern_cases import fused_tokens, patterns, per_modality_pattern
 
 flex_module = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -62,11 +63,12 @@ def qkv() -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(2, HEADS, FUSED.length, WIDTH, generator=gen) for _ in range(3))
 
 
-def assert_equals_sdpa(pattern, block_mask) -> None:
+def assert_equals_sdpa(pattern, block_mask, flex=FLEX) -> None:
     q, k, v = qkv()
     dense = pattern.dense(FUSED)
-    with torch.no_grad():
-        out = FLEX(q, k, v, block_mask=block_mask)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (uncompiled flex warns that it is unfused)
+        out = flex(q, k, v, block_mask=block_mask)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None])
     live = dense.any(-1)[:, None, :, None].expand_as(ref)  # rows with a key
     assert live.any()
@@ -81,11 +83,10 @@ def cases(variants: list, ids: list[str]) -> list:
             for name in CASES for variant, tag in zip(variants, ids)]
 
 
+@needs("flex_cpu")  # FLEX: flex_attention compiled on the CPU
 @pytest.mark.parametrize(("name", "compiled"),
                          cases([False, True], ["eager-build", "compiled-build"]))
 def test_flex_with_mask_mod_equals_sdpa(name, compiled):
-    if compiled and not features().block_mask_seq_lengths:  # torch 2.5's compiled build
-        pytest.skip(reason("block_mask_seq_lengths"))  # reads the mask_mod past the length
     pattern = CASES[name]
     block_mask = flex_module.create_block_mask(
         pattern.mask_mod(FUSED), FUSED.batch_size, None, FUSED.length, FUSED.length,
@@ -93,13 +94,31 @@ def test_flex_with_mask_mod_equals_sdpa(name, compiled):
     assert_equals_sdpa(pattern, block_mask)
 
 
-@needs("block_mask_seq_lengths")  # torch 2.5 pads the blocks and reads past the length
+@needs("flex_cpu")
 @pytest.mark.parametrize(("name", "block"), cases([16, 64], ["16", "64"]))
 def test_flex_with_block_mask_equals_sdpa(name, block):
     pattern = CASES[name]
     assert_equals_sdpa(pattern, pattern.compile(FUSED, block_size=block).block_mask())
 
 
+@pytest.mark.parametrize("source", ["mask_mod", "block_mask"])
+@pytest.mark.parametrize("name", ["per-modality", "neighborhood-modality", "or", "chunked"])
+def test_eager_flex_equals_sdpa(name, source):
+    """flex_attention without torch.compile (torch's reference implementation, on every
+    torch with flex): the mask_mod's BlockMask, which torch 2.5 builds by calling the
+    mask_mod past the length (whole blocks), and ``block_mask()``, which it sizes in whole
+    blocks (no ``seq_lengths``), run every pattern exactly."""
+    pattern = CASES[name]
+    if source == "mask_mod":
+        block_mask = flex_module.create_block_mask(
+            pattern.mask_mod(FUSED), FUSED.batch_size, None, FUSED.length, FUSED.length,
+            device="cpu", BLOCK_SIZE=16)
+    else:
+        block_mask = pattern.compile(FUSED, block_size=16).block_mask()
+    assert_equals_sdpa(pattern, block_mask, flex_module.flex_attention)
+
+
+@needs("flex_cpu")
 @pytest.mark.slow
 @pytest.mark.flex_sweep
 def test_compiled_mask_build_equals_the_eager_one_and_the_tiles():

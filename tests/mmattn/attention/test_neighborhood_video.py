@@ -29,6 +29,7 @@ from mmattn.functional import fused_attn
 from mmattn.kernels import engines
 from mmattn.kernels.modifiers import alibi_slopes
 from mmattn.masks import neighborhood_mask
+from tests._features import needs
 from tests._tolerance import assert_close_scaled
 
 D, H = 16, 4
@@ -191,6 +192,7 @@ def _padded(batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, length, D), kpm
 
 
+@needs("is_exporting")  # torch 2.5/2.6's export specializes what stays dynamic here
 def test_export_with_a_dynamic_batch_equals_eager():
     module = _OnGrid(NeighborhoodAttention(D, H, (3, 3, 3), causal=(True, False, False),
                                            alibi=True, num_global_tokens=1), (2, 3, 4)).eval()
@@ -214,6 +216,7 @@ def test_compiled_dynamic_equals_eager():
 
 
 @pytest.mark.pins_path
+@needs("flex_cpu")  # forced flex on the CPU
 def test_flex_route_forward_on_the_cpu_equals_the_tiles():
     pytest.importorskip("torch.nn.attention.flex_attention", reason="needs FlexAttention")
     nbhd = NeighborhoodAttention(D, H, (3, 3, 5), causal=(True, False, False),
@@ -232,8 +235,14 @@ def test_flex_route_forward_on_the_cpu_equals_the_tiles():
     assert alibi[0].engine == "fallback" and "ALiBi on a 2-D grid" in alibi[0].engine_reason
     flex = report.output[0]
     assert_close_scaled(flex, tiles, atol=1e-5)
+
+
+def test_flex_window_mask_mod_is_the_video_window():
+    """The flex route's mask_mod of a 3-D window (causal time axis, dilation, a global
+    token) allows exactly the dense neighbourhood mask, on every torch."""
     from mmattn.kernels._routes import window_mask_mod
 
+    grid = (3, 4, 6)
     rule = window_mask_mod(grid, (3, 3, 5), (1, 2, 1), 1, torch.device("cpu"),
                            (True, False, False))
     i = torch.arange(73)

@@ -4,6 +4,7 @@ varlen argument builders (mmattn.kernels.varlen) against hand-computed values.""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -70,6 +71,12 @@ def test_select_forced():
     assert refused.engine == "fallback" and "no backward on cpu" in refused.reason
     # varlen never leaves CUDA, even forced
     assert "CUDA-only" in select(cpu, ALL, ("varlen",)).reason
+    # a torch without inductor's CPU flex template (2.5 lowers the call to CUDA): refused
+    # off CUDA, naming the feature; CUDA is not affected
+    no_cpu_flex = dataclasses.replace(ALL, flex_cpu=False)
+    refused = select(cpu, no_cpu_flex, ("flex",))
+    assert refused.engine == "fallback" and "feature 'flex_cpu'" in refused.reason
+    assert select(call(dtype=torch.float32), no_cpu_flex, ("flex",)).engine == "flex"
     # order is the user's; "fallback" alone refuses every engine
     assert select(call(), ALL, ("flex", "varlen")).engine == "flex"
     off = select(call(), ALL, ("fallback",))

@@ -122,6 +122,28 @@ def test_local_flex_cpu_causal_explain():
     close(graded.output[0], plain.output[0])
 
 
+def test_forced_cpu_flex_without_a_cpu_kernel_runs_the_fallback(monkeypatch):
+    """On a torch whose inductor has no CPU flex template (feature ``flex_cpu``; torch 2.5
+    lowers a CPU flex call to CUDA: "Found no NVIDIA driver"), flex forced on the CPU runs
+    mmattn's own kernel, bit for bit the unforced call, and explain names what flex needs.
+    The fact is simulated where torch has it, real on the floor."""
+    import dataclasses
+
+    have = dataclasses.replace(engines.available(), flex_cpu=False)
+    monkeypatch.setattr(engines, "available", lambda: have)
+    torch.manual_seed(2)
+    layer = LocalAttention(16, 2, window_size=3, num_global_tokens=2, causal=True).eval()
+    x = torch.randn(2, 33, 16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no engine failure, no warning
+        plain = explain(layer, x)
+        with engines.use("flex"):
+            forced = explain(layer, x)
+    assert forced[0].engine == "fallback" and forced[0].path == plain[0].path == "local"
+    assert "feature 'flex_cpu'" in forced[0].engine_reason
+    assert torch.equal(forced.output[0], plain.output[0])  # (the kernel's own tests check it)
+
+
 @pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)])
 @pytest.mark.parametrize("mods", list(MODS))
 def test_local_engines_cuda_grad(device, mods):

@@ -21,6 +21,7 @@ from mmattn import patterns as P
 from mmattn.kernels import _routes, engines, flex
 from mmattn.kernels.blocked import local_attend
 from mmattn.kernels.modifiers import Modifiers
+from tests._features import needs
 from tests.conftest import DEVICES
 
 pytest.importorskip("torch.nn.attention.flex_attention")
@@ -59,6 +60,7 @@ def qkv(batch, length, heads=4, kv=2, width=16, device="cpu", grad=False):
                  .requires_grad_(grad) for h in (heads, kv, kv))
 
 
+@needs("flex_cpu")  # compiled flex on the CPU
 def test_lengths_that_change_beyond_the_recompile_limit_still_run():
     """Six calls of one signature with four lengths, a new window and batch (every length
     a new graph on the CPU, which compiles static sizes), dynamo's recompile limit patched
@@ -96,6 +98,7 @@ def positions(length, glob, start):
     return torch.cat([torch.arange(glob), torch.arange(start, start + length - glob)])
 
 
+@needs("flex_cpu")  # forced flex on the CPU
 @pytest.mark.parametrize("glob", [0, 3])
 def test_alibi_at_absolute_positions_under_flex(glob):
     """ALiBi at the positions sequence parallelism sets (``Modifiers.at``) equals the
@@ -195,6 +198,7 @@ def _flex_probe(q, k, v, block_mask):
     return flex_attention(q, k, v, block_mask=block_mask)
 
 
+@needs("flex_cpu")  # compiled flex on the CPU
 def test_chunked_mask_mod_compiles_with_dynamic_shapes():
     """P.chunked's mask_mod in a compiled flex_attention with dynamic shapes (how a run
     compiles once sizes or numbers change) on the CPU: it reads its window as tables, not

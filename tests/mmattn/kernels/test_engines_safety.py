@@ -6,6 +6,7 @@ bytes; the detected facts."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 
@@ -201,9 +202,10 @@ def test_a_simulated_engine_failure_runs_the_fallback(monkeypatch):
     from mmattn.kernels import flex
 
     real_select = engines.select  # automatic flex on the CPU, as on a GPU
+    have = dataclasses.replace(engines.available(), flex_cpu=True)  # (flex never runs here)
     monkeypatch.setattr(engines, "considered", lambda device: True)
     monkeypatch.setattr(engines, "select", lambda c, *a, **k: real_select(
-        c, allowed=engines.forced() or ("flex",)))
+        c, have, allowed=engines.forced() or ("flex",)))
 
     def failing(*args, **kwargs):
         raise RuntimeError("simulated Triton failure")
