@@ -43,26 +43,11 @@ from mmattn._helpers import default
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
+from mmattn.distributed._agree import agree, require_group
 from mmattn.kernels.blocked import local_attend
 from mmattn.kernels.modifiers import join_sink
 
 __all__ = ["SequenceParallel", "all_reduce_grads"]
-
-_NO_GROUP = (
-    "SequenceParallel needs an initialised torch.distributed process group: call "
-    "torch.distributed.init_process_group(backend='gloo' or 'nccl', ...) first (torchrun "
-    "sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it)"
-)
-
-
-def _dist():
-    """``torch.distributed`` when a process group is initialised, else RuntimeError."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(_NO_GROUP)
-    return dist
-
 
 class SequenceParallel(nn.Module):
     r"""Run a :class:`~mmattn.LocalAttention` (or a full :class:`~mmattn.MultiHeadAttention`)
@@ -143,7 +128,7 @@ class SequenceParallel(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, None]:
         """Attend this rank's shard; see the class docstring."""
-        dist = _dist()
+        dist = require_group("SequenceParallel")
         attn, group = self.attention, self.group
         key = default(key, query)
         value = default(value, key)
@@ -154,7 +139,7 @@ class SequenceParallel(nn.Module):
         # Nothing of the input is read before the ranks agree: a rank with bad input still
         # joins the all-gather, and every rank raises the same error.
         batch_n = (0, 0) if error else tuple(query.shape[:2])
-        _agree(dist, group, batch_n, key_padding_mask is not None, causal, error)
+        _agree(group, batch_n, key_padding_mask is not None, causal, error)
         rank, ranks = dist.get_rank(group), dist.get_world_size(group)
         batch, n = query.shape[:2]
         q, k, v = _heads(attn, query, key, value)
@@ -392,34 +377,19 @@ def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_m
     return ""
 
 
-def _agree(dist, group, batch_n, has_mask: bool, causal: bool, error: str) -> None:
-    """All-gather every rank's (error, batch, shard length, mask, causal) and raise the same
-    ValueError on every rank when something is off, before any halo exchange could hang."""
-    from mmattn.distributed import _halo
-
-    row = [1, 0, 0, 0, 0] if error else [0, *batch_n, int(has_mask), int(causal)]
-    mine = torch.tensor(row, dtype=torch.long, device=_halo.comm_device(group))
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    table = torch.stack(every).tolist()
-    bad = [r for r, row in enumerate(table) if row[0]]
-    if bad:  # every rank knows: all join one more gather, of the messages
-        messages = [None] * len(table)
-        dist.all_gather_object(messages, error, group=group)
-        if error:
-            raise ValueError(error)
-        raise ValueError(
-            f"SequenceParallel: rank(s) {bad} got bad input: "
-            + "; ".join(f"rank {r}: {messages[r]}" for r in bad)
-        )
-    widths = [tuple(row[1:3]) for row in table]
+def _agree(group, batch_n, has_mask: bool, causal: bool, error: str) -> None:
+    """Every rank's (error, batch, shard length, mask, causal), agreed before any halo
+    exchange could hang (:func:`~mmattn.distributed._agree.agree`): the same ValueError on
+    every rank when something is off."""
+    table = agree(group, "SequenceParallel", error, [*batch_n, int(has_mask), int(causal)], 4)
+    widths = [tuple(row[:2]) for row in table]
     if len(set(widths)) > 1:
         raise ValueError(
             "SequenceParallel needs the same (batch, shard length) on every rank, got "
             + ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
         )
-    if len({row[4] for row in table}) > 1:
-        causal_by_rank = [bool(row[4]) for row in table]
+    if len({row[3] for row in table}) > 1:
+        causal_by_rank = [bool(row[3]) for row in table]
         raise ValueError(f"SequenceParallel: ranks disagree on is_causal: {causal_by_rank}")
 
 
@@ -438,7 +408,7 @@ def all_reduce_grads(module: nn.Module, group=None) -> None:
             f"all_reduce_grads takes the module whose parameter gradients to sum (an "
             f"nn.Module), got {type(module).__name__}"
         )
-    dist = _dist()
+    dist = require_group("all_reduce_grads")
     for param in module.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad, group=group)
