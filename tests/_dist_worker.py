@@ -260,7 +260,7 @@ def _main(rank: int, world: int, port: int, outdir: str, scenarios: list[str]) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=150)
     )
     results = {}
     try:

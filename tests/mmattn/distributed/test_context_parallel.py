@@ -9,6 +9,8 @@ run here on the whole sequence; the workers gather their rows back (``plan.gathe
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,10 +45,12 @@ def four(tmp_path_factory):
 
 
 def _result(results: list[dict], name: str) -> list:
-    per_rank = [r[name] for r in results]
-    for rank, res in enumerate(per_rank):
-        if isinstance(res, dict) and "error" in res:
-            pytest.fail(f"rank {rank} failed in {name}:\n{res['error']}")
+    per_rank = [r.get(name, {"error": "no result (an earlier scenario failed)"})
+                for r in results]
+    failed = [f"rank {rank} failed in {name}:\n{res['error']}"
+              for rank, res in enumerate(per_rank) if isinstance(res, dict) and "error" in res]
+    if failed:  # every rank's: the first to fail is often not rank 0
+        pytest.fail("\n".join(failed))
     return per_rank
 
 
@@ -186,6 +190,22 @@ def test_lpt_gives_the_heaviest_parts_first_to_the_least_loaded_rank():
     assert owner == [0, 0, 1, 1, 1] and loads == [10, 12]
     owner, loads = lpt([(0, 2, 0), (2, 3, 4), (3, 4, 4)], 2)
     assert loads == [4, 4] and owner[0] == 0  # the empty part: the rank with fewer rows
+
+
+@pytest.mark.slow  # torchrun and two processes: half a minute on a loaded machine
+def test_the_torchrun_script_of_the_docs_runs_and_equals_one_process(tmp_path):
+    text = (ROOT / "docs" / "distributed.md").read_text("utf-8")
+    start = text.index('"""cp_encoder.py')
+    script = tmp_path / "cp_encoder.py"
+    script.write_text(text[start:text.index("```", start)], "utf-8")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 ranks, the same as one process: True" in done.stdout, done.stdout
+    assert "ContextPlan(ranks=2, rank=0" in done.stdout
 
 
 # --- refusals ------------------------------------------------------------------------------
