@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _harness import add_docs_argument, markdown_table, write_docs  # noqa: E402
+from _harness import (  # noqa: E402
+    add_docs_argument,
+    markdown_table,
+    proc_status,
+    spawn_ranks,
+    write_docs,
+)
 
 from mmattn import Tokens  # noqa: E402
 from mmattn import patterns as P  # noqa: E402
@@ -106,20 +110,13 @@ def zigzag(mask, ranks: int) -> torch.Tensor:
 # --- one process of a launch ----------------------------------------------------------------
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _measure(step, repeats: int) -> tuple[list[float], list[float], int]:
     """(cpu seconds, wall seconds, peak RSS growth) of ``step`` after a warm-up call."""
     step()
     Path("/proc/self/clear_refs").write_text("5")
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     first = step()
-    peak = _status("VmHWM") - base
+    peak = proc_status("VmHWM") - base
     runs = [first] + [step() for _ in range(repeats - 1)]
     return [r[0] for r in runs], [r[1] for r in runs], peak
 
@@ -184,35 +181,6 @@ def _worker(rank: int, world: int, port: int, length: int, repeats: int, out: st
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run(world: int, length: int, repeats: int, timeout: float) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, length, repeats, str(out)))
-                 for r in range(world)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        if not out.exists():
-            raise RuntimeError(f"P={world} failed (exit codes {[p.exitcode for p in procs]})")
-        return json.loads(out.read_text())
-
-
 def table_rows(results: list[dict], world: int) -> list[list[object]]:
     """One row per (mask, dispatch) of a launch."""
     row_bytes = 2 * EMBED * 4  # a key and a value row, fp32
@@ -254,7 +222,7 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     rows = []
     for world in args.procs:
-        rows += table_rows(run(world, length, repeats, timeout=3600), world)
+        rows += table_rows(spawn_ranks(_worker, world, (length, repeats), 3600), world)
         print(markdown_table(HEADER, rows[-len(DISPATCHES) * 3:]), flush=True)
     table = markdown_table(HEADER, rows)
     print()

@@ -22,7 +22,8 @@ def attention_error(attn: nn.Module, plan: ContextPlan, query: Any, key: Any, va
         if other is not None and other is not query:
             return (f"ContextParallel is self-attention on the plan's rows: {name} must be "
                     "None (or the query itself)")
-    error = _local_error(attn, query, query, query, key_padding_mask, need_weights, None)
+    error = _local_error(attn, query, query, query, key_padding_mask, need_weights, None,
+                         "ContextParallel")
     if error:
         return error
     rows = query.shape[:2] if attn.batch_first else query.shape[1::-1]

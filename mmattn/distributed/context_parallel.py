@@ -43,7 +43,7 @@ from mmattn.distributed import _halo
 from mmattn.distributed._agree import agree, require_group
 from mmattn.distributed._context_checks import attention_error, tokens_error
 from mmattn.distributed.context_plan import ContextPlan, build_plan
-from mmattn.distributed.sequence_parallel import _heads
+from mmattn.distributed.sequence_parallel import _heads, refuse_extra_keys
 from mmattn.kernels import block_sparse
 from mmattn.patterns import SparseMask
 from mmattn.rotary import RotaryEmbedding, apply_rotary, rotary_cos_sin
@@ -139,11 +139,7 @@ class ContextParallel(nn.Module):
                     f"{type(attn).__name__} (a layer with its own geometry: use "
                     "SequenceParallel, or a pattern on MultiHeadAttention)"
                 )
-            if attn.bias_k is not None or attn.add_zero_attn:
-                raise ValueError(
-                    "ContextParallel does not support add_bias_kv or add_zero_attn (extra "
-                    "keys that belong to no rank's rows); build the attention without them"
-                )
+            refuse_extra_keys(attn, "ContextParallel", "rank's rows")
         self.module = module
         self.group = group
 

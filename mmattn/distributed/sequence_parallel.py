@@ -105,11 +105,7 @@ class SequenceParallel(nn.Module):
                 "mmattn.MultiHeadAttention (all-to-all over heads), got "
                 f"{type(attention).__name__}"
             )
-        if attention.bias_k is not None or attention.add_zero_attn:
-            raise ValueError(
-                "SequenceParallel does not support add_bias_kv or add_zero_attn (extra keys "
-                "that belong to no shard); build the attention without them"
-            )
+        refuse_extra_keys(attention, "SequenceParallel", "shard")
         self.attention = attention
         self.group = group
 
@@ -169,6 +165,15 @@ class SequenceParallel(nn.Module):
         if not self.attention.batch_first:
             out = rearrange(out, "b n d -> n b d")
         return out, None
+
+
+def refuse_extra_keys(attn: MultiHeadAttention, who: str, where: str) -> None:
+    """Raise a ValueError for ``add_bias_kv`` / ``add_zero_attn``: keys of no rank's rows."""
+    if attn.bias_k is not None or attn.add_zero_attn:
+        raise ValueError(
+            f"{who} does not support add_bias_kv or add_zero_attn (extra keys that belong to "
+            f"no {where}); build the attention without them"
+        )
 
 
 def _heads(attn: MultiHeadAttention, query: Tensor, key: Tensor, value: Tensor):
@@ -337,10 +342,11 @@ def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group, mods=None
     return (scale * outs).sum(dim=0)
 
 
-def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_mask) -> str:
+def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_mask,
+                 who: str = "SequenceParallel") -> str:
     """This rank's input error message, or "" (raised only after every rank has checked)."""
     if need_weights:
-        return "SequenceParallel does not gather attention weights: need_weights must be False"
+        return f"{who} does not gather attention weights: need_weights must be False"
     if attn_mask is not None:
         return "SequenceParallel takes no attn_mask (the band is the mask), got one"
     weight = attn.q_proj.weight
@@ -361,7 +367,7 @@ def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_m
             return (f"{name} must be a 3-D shard (B, n, {width}) (batch_first) or (n, B, "
                     f"{width}), got shape {tuple(t.shape)}")
         if t.shape[:2] != query.shape[:2]:
-            return (f"SequenceParallel is self-attention on one shard: {name} must have the "
+            return (f"{who} is self-attention on one shard: {name} must have the "
                     f"query's leading shape {tuple(query.shape[:2])}, got {tuple(t.shape)}")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:

@@ -84,7 +84,7 @@ def test_context_parallel_four_ranks_equals_one_process(four, case):
 def test_context_parallel_bad_input_raises_the_same_error_on_every_rank(two):
     prefix = "ContextParallel: rank(s) [1] got bad input: rank 1: "
     for rank, errors in enumerate(_result(two, "cp_errors")):
-        assert errors["need_weights"] == ("SequenceParallel does not gather attention "
+        assert errors["need_weights"] == ("ContextParallel does not gather attention "
                                           "weights: need_weights must be False")
         for case, message in (
             ("one_rank_not_mask", "ContextParallel needs attn_mask = the ContextPlan"),
