@@ -177,6 +177,8 @@ def context_errors(outdir: Path) -> dict:
         "masks_differ": lambda: cp(x if rank == 0 else other_rows(other), attn_mask=mask
                                    if rank == 0 else other),
         "causal_differs": lambda: cp(x, attn_mask=plan, is_causal=bool(rank)),
+        "positions_differ": lambda: cp(x, attn_mask=plan,
+                                       positions=plan.positions[None] if rank else None),
         "plan_of_another_rank": lambda: cp(x, attn_mask=_foreign(plan)),
     }
 

@@ -51,8 +51,8 @@ from mmattn.tokens import Tokens
 
 __all__ = ["ContextParallel", "context_plan"]
 
-#: What the agreement compares: the plan's fingerprint (8), any padding, causal.
-_FACTS = 10
+#: What the agreement compares: the plan's fingerprint (8), padding, causal, positions.
+_FACTS = 11
 
 
 def context_plan(mask: SparseMask, group=None) -> ContextPlan:
@@ -184,7 +184,7 @@ class ContextParallel(nn.Module):
         error = error or attention_error(attn, plan, query, key, value, key_padding_mask,
                                          need_weights, positions)
         padded = key_padding_mask is not None
-        any_padding = self._agree(error, plan, padded, is_causal)
+        any_padding = self._agree(error, plan, padded, is_causal, positions is not None)
         x = query if attn.batch_first else rearrange(query, "r b d -> b r d")
         real = None
         if any_padding:
@@ -207,11 +207,12 @@ class ContextParallel(nn.Module):
                     "cp.plan(mask) on every rank"), None
         return "", self.plan(attn_mask)
 
-    def _agree(self, error: str, plan: ContextPlan | None, padded: bool,
-               causal: bool) -> bool:
+    def _agree(self, error: str, plan: ContextPlan | None, padded: bool, causal: bool,
+               positioned: bool) -> bool:
         """Agree with every rank (the same ValueError everywhere on bad input); whether any
         rank pads its keys."""
-        facts = [] if error else [*plan.fingerprint, int(padded), int(causal)]
+        facts = [] if error else [*plan.fingerprint, int(padded), int(causal),
+                                  int(positioned)]
         table = agree(self.group, "ContextParallel", error, facts, _FACTS)
         prints = [tuple(row[:8]) for row in table]
         if len(set(prints)) > 1:
@@ -220,9 +221,10 @@ class ContextParallel(nn.Module):
                 "pattern on the same full-sequence Tokens on every rank); fingerprints "
                 + ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
             )
-        if len({row[9] for row in table}) > 1:
-            raise ValueError("ContextParallel: ranks disagree on is_causal: "
-                             f"{[bool(row[9]) for row in table]}")
+        for column, name in ((9, "is_causal"), (10, "whether positions are given")):
+            if len({row[column] for row in table}) > 1:
+                raise ValueError(f"ContextParallel: ranks disagree on {name}: "
+                                 f"{[bool(row[column]) for row in table]}")
         return any(row[8] for row in table)
 
     # ------------------------------------------------------------------ blocks
@@ -233,7 +235,8 @@ class ContextParallel(nn.Module):
         error = error or tokens_error(module, plan, tokens)
         own = getattr(module, "pattern", None) is not None
         padded = not own and tokens.mask is not None if not error else False
-        any_padding = self._agree(error, plan, padded, False)
+        positioned = not error and tokens.meta.get("positions") is not None
+        any_padding = self._agree(error, plan, padded, False, positioned)
         blocks = self._blocks()
 
         def attend(block: TransformerBlock) -> _BlockAttention:
