@@ -9,7 +9,7 @@ balanced by their non-empty tiles. One attention call on a rank::
 
     its rows (1, r, d) ─project─▶ q, k, v ─rotary at the rows' positions─▶
     k, v (and padding flags) ─all_to_all_single of exactly the rows others need─▶ received
-    frame = [its rows | received rows, in their tiles]      (1, u, ...)
+    frame = its rows and the received rows, in their tiles, in sequence order  (1, u, ...)
     block-sparse kernel: its query tiles x their key tiles, ALiBi and causal at the true
     positions ─▶ (1, r, d) after out_proj
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -299,24 +298,26 @@ def attend_rows(attn: MultiHeadAttention, plan: ContextPlan, x: Tensor, real: Te
         rearrange(t.contiguous(), "(b u) (k e) -> b k u e", b=1, k=kv_heads)
         for t in (frame[:, :width], frame[:, width:width + v.shape[1] * v.shape[3]]))
     key_mask = None if real is None else frame[None, :, -1] > 0.5
-    q_frame = F.pad(q, (0, 0, 0, frame.shape[0] - q.shape[2]))
+    q_frame = q.new_zeros(*q.shape[:2], frame.shape[0], q.shape[3]).index_copy(
+        2, plan.own_index, q)
     out, _ = block_sparse.attend(
         q_frame, k_frame, v_frame, plan.frame.plan(attn.embed_dim), key_mask=key_mask,
         is_causal=is_causal, dropout_p=attn.dropout if attn.training else 0.0,
         groups=q.shape[1] // kv_heads, modifiers=score_modifiers(attn),
         positions=plan.frame_positions,
     )
-    return attn.out_proj(rearrange(out[:, :, : q.shape[2]], "b h r e -> b r (h e)"))
+    out = out.index_select(2, plan.own_index)
+    return attn.out_proj(rearrange(out, "b h r e -> b r (h e)"))
 
 
 def _exchange(rows: Tensor, plan: ContextPlan, group) -> Tensor:
-    """This rank's frame (u, c): its own rows, then the rows the others send it, placed in
-    their tiles (rows nobody needs stay zero). Differentiable both ways (the all-to-all's
+    """This rank's frame (u, c): its own rows and the rows the others send it, in their
+    tiles (rows nobody needs stay zero). Differentiable both ways (the all-to-all's
     backward returns the received rows' gradients to their owners)."""
     send = rows.index_select(0, plan.send_index)
     received = _halo.exchange_rows(send, plan.send_splits, plan.recv_splits, group=group)
-    frame = F.pad(rows, (0, 0, 0, plan.frame.length - rows.shape[0]))
-    return frame.index_copy(0, plan.recv_index, received)
+    frame = rows.new_zeros(plan.frame.length, rows.shape[1])
+    return frame.index_copy(0, plan.own_index, rows).index_copy(0, plan.recv_index, received)
 
 
 def _position(attn: MultiHeadAttention, x: Tensor, plan: ContextPlan,

@@ -9,7 +9,7 @@ ranks (:func:`context_plan`, cached on the mask) and shared by every layer::
     mask tiles ─work per query tile─▶ _dispatch.balance ─▶ owner (t,): the rank of each tile
     rank r:  rows   = its query tiles, whole, in sequence order               (r = tiles · s)
              needs  = the key rows its tiles' masks attend that it does not hold
-             frame  = [its rows | the tiles of the rows it receives]       (u = frame tiles · s)
+             frame  = its tiles and those of the rows it receives, in order  (u = frame tiles · s)
              mask   = its query tiles against their key tiles, renumbered in the frame
 
 Every rank builds the plan of every rank from the same mask (small integers), so each knows
@@ -52,10 +52,12 @@ class ContextPlan:
         rows: (R,) int64, this rank's rows as flat ``b · n s + i``, tile by tile in sequence
             order: the local layout of :meth:`scatter`.
         frame: this rank's query tiles against their key tiles, renumbered in its frame
-            (its rows, then the tiles of the rows it receives): a SparseMask (1, U s, U s).
+            (its tiles and the tiles of the rows it receives, in sequence order): a
+            SparseMask (1, U s, U s).
         frame_positions: (U s,) the position in its item of every frame row.
         send_index, send_splits: the local rows to send, peer after peer, and how many.
         recv_index, recv_splits: the frame rows the received rows go to, and how many.
+        own_index: (R,) the frame rows of this rank's own rows.
         fingerprint: integers that differ between different masks (the ranks compare them).
     """
 
@@ -72,6 +74,7 @@ class ContextPlan:
     send_splits: list[int]
     recv_index: Tensor
     recv_splits: list[int]
+    own_index: Tensor
     fingerprint: tuple[int, ...]
 
     @property
@@ -259,10 +262,13 @@ def build_plan(mask: SparseMask, ranks: int, rank: int, owner: Tensor | None = N
     send_index = local_tile[send // s] * s + send % s
     got = needs[rank].nonzero().squeeze(1)
     got = got[torch.argsort(row_owner[got], stable=True)]  # peer by peer, rows in order
-    frame_tiles = torch.cat([mine, torch.unique(got // s)])
+    # the frame: its tiles and those it receives rows of, in sequence order (a run of key
+    # tiles stays a run: the kernel's rectangles of full tiles stay long)
+    frame_tiles = torch.unique(torch.cat([mine, got // s]))
     frame_tile = torch.full((batch * n,), -1, dtype=torch.long, device=device)
     frame_tile[frame_tiles] = torch.arange(frame_tiles.shape[0], device=device)
     recv_index = frame_tile[got // s] * s + got % s
+    own_index = tile_rows(frame_tile[mine], s)
     splits = exchange.tolist()
     frame = _frame_mask(mask, full[full_rank == rank], mixed[mixed_rank == rank],
                         masks[mixed_rank == rank], frame_tile, frame_tiles.shape[0])
@@ -271,6 +277,7 @@ def build_plan(mask: SparseMask, ranks: int, rank: int, owner: Tensor | None = N
         rows=rows, frame=frame, frame_positions=tile_rows(frame_tiles % n, s),
         send_index=send_index, send_splits=[splits[rank][q] for q in range(ranks)],
         recv_index=recv_index, recv_splits=[splits[p][rank] for p in range(ranks)],
+        own_index=own_index,
         fingerprint=fingerprint(mask, exchange),
     )
     return plan
