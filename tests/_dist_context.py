@@ -117,6 +117,10 @@ CASES = {
     "encoder": Case(_encoder, documents_tokens),
     # a causal block given a SparseMask: the Tokens' padding and causal rule are added
     "block_mask": Case(_block, fused_tokens, PER_MODALITY),
+    # one tile in all: the other ranks hold no rows (and still join every exchange)
+    "one_tile": Case(lambda: _attention(sinks=True), lambda: Tokens(
+        torch.randn(1, 3, D, generator=torch.Generator().manual_seed(11), dtype=DTYPE)),
+        P.causal()),
 }
 
 
@@ -141,7 +145,7 @@ def run_context(name: str, outdir: Path) -> dict:
     case = CASES[name]
     module, tokens, mask, grad = case.build()
     cp = ContextParallel(module)
-    plan = cp.plan(tokens if mask is None else mask)
+    plan = cp.plan(mask) if mask is not None else cp.plan(tokens, block_size=BLOCK)
     local = plan.scatter(tokens)
     x = local.x.clone().requires_grad_()
     if isinstance(module, MultiHeadAttention):

@@ -46,7 +46,8 @@ def uses_pattern(pattern: Pattern | None, attn_mask: object) -> bool:
     return pattern is not None or is_sparse_mask(attn_mask)
 
 
-def compile_for(pattern: Pattern, tokens: Tokens, attn_mask: object, causal: bool) -> SparseMask:
+def compile_for(pattern: Pattern, tokens: Tokens, attn_mask: object, causal: bool,
+                block_size: int = BLOCK_SIZE) -> SparseMask:
     """``pattern`` (``& P.causal()`` when ``causal``) compiled on ``tokens``."""
     if exporting():
         raise NotImplementedError(
@@ -61,7 +62,7 @@ def compile_for(pattern: Pattern, tokens: Tokens, attn_mask: object, causal: boo
         )
     if causal:
         pattern = pattern & causal_pattern()
-    return pattern.compile(tokens, BLOCK_SIZE)
+    return pattern.compile(tokens, block_size)
 
 
 def on_padded(tokens: Tokens, run: Callable[[Tokens], Tokens]) -> Tokens:

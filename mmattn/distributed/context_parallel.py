@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._sparse import takes_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
-from mmattn.blocks._pattern import compile_for, run_blocks
+from mmattn.blocks._pattern import BLOCK_SIZE, compile_for, run_blocks
 from mmattn.blocks.transformer import Encoder, TransformerBlock
 from mmattn.distributed import _halo
 from mmattn.distributed._agree import agree, require_group
@@ -145,10 +145,13 @@ class ContextParallel(nn.Module):
     def extra_repr(self) -> str:
         return "group=default" if self.group is None else f"group={self.group}"
 
-    def plan(self, source: SparseMask | Tokens | ContextPlan) -> ContextPlan:
+    def plan(self, source: SparseMask | Tokens | ContextPlan,
+             block_size: int = BLOCK_SIZE) -> ContextPlan:
         """The plan of a call: of a SparseMask, or (blocks built with ``pattern=``) of the
-        pattern compiled on the full-sequence Tokens ``source`` (every rank compiles the
-        same mask from the same meta; cached on the mask)."""
+        pattern compiled on the full-sequence Tokens ``source`` with tiles of
+        ``block_size`` (the blocks' own by default; a query tile is the unit of dispatch,
+        so short sequences on many ranks want smaller ones). Every rank compiles the same
+        mask from the same meta; the plan is cached on the mask."""
         if isinstance(source, ContextPlan):
             return source
         if isinstance(source, Tokens):
@@ -158,7 +161,8 @@ class ContextParallel(nn.Module):
                     "ContextParallel.plan(tokens) compiles the module's pattern=; this "
                     f"{type(self.module).__name__} has none: give the SparseMask instead"
                 )
-            source = compile_for(pattern, source, None, self._blocks()[0].causal)
+            source = compile_for(pattern, source, None, self._blocks()[0].causal,
+                                 block_size)
         return context_plan(source, self.group)
 
     def _blocks(self) -> list[TransformerBlock] | None:
@@ -204,7 +208,10 @@ class ContextParallel(nn.Module):
             return (f"attn_mask: this ContextPlan is rank {attn_mask.rank}'s of "
                     f"{attn_mask.ranks}, but this is rank {rank} of {ranks}: use "
                     "cp.plan(mask) on every rank"), None
-        return "", self.plan(attn_mask)
+        try:  # a mask that cannot be planned must not leave the other ranks waiting
+            return "", self.plan(attn_mask)
+        except (ValueError, TypeError, IndexError, RuntimeError) as error:
+            return f"attn_mask: this SparseMask cannot be planned: {error}", None
 
     def _agree(self, error: str, plan: ContextPlan | None, padded: bool, causal: bool,
                positioned: bool) -> bool:
@@ -298,6 +305,10 @@ def attend_rows(attn: MultiHeadAttention, plan: ContextPlan, x: Tensor, real: Te
         rearrange(t.contiguous(), "(b u) (k e) -> b k u e", b=1, k=kv_heads)
         for t in (frame[:, :width], frame[:, width:width + v.shape[1] * v.shape[3]]))
     key_mask = None if real is None else frame[None, :, -1] > 0.5
+    if not frame.shape[0]:  # no rows here: nothing to attend; the output still depends on
+        # the frame, so that the exchange's backward (a collective) runs on this rank too
+        out = v_frame.new_zeros(*q.shape[:3], v.shape[3]) + frame.sum() * 0
+        return attn.out_proj(rearrange(out, "b h r e -> b r (h e)"))
     q_frame = q.new_zeros(*q.shape[:2], frame.shape[0], q.shape[3]).index_copy(
         2, plan.own_index, q)
     out, _ = block_sparse.attend(
