@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from mmattn.distributed.context_plan import ContextPlan
 from mmattn.distributed.sequence_parallel import _local_error
+from mmattn.rotary import RotaryEmbedding
 from mmattn.tokens import Tokens
 
 
@@ -62,10 +63,14 @@ def _rows_error(plan: ContextPlan, name: str, rows: tuple[int, int], device) -> 
     return ""
 
 
+def rotary_ok(attn: nn.Module) -> bool:
+    """Whether ContextParallel places ``attn.position`` without given positions (a rotary
+    embedding, at the rows' positions in their items)."""
+    return attn.position is None or isinstance(attn.position, RotaryEmbedding)
+
+
 def _position_error(layers: list[nn.Module], plan: ContextPlan, positions: Any,
                     rows: tuple[int, int]) -> str:
-    from mmattn.distributed.context_parallel import rotary_ok
-
     if positions is not None:
         if not isinstance(positions, Tensor) or tuple(positions.shape[:2]) != rows or \
                 positions.dim() not in (2, 3):

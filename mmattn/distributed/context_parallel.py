@@ -45,7 +45,7 @@ from mmattn.distributed.context_plan import ContextPlan, build_plan
 from mmattn.distributed.sequence_parallel import _heads, refuse_extra_keys
 from mmattn.kernels import block_sparse
 from mmattn.patterns import SparseMask
-from mmattn.rotary import RotaryEmbedding, apply_rotary, rotary_cos_sin
+from mmattn.rotary import apply_rotary, rotary_cos_sin
 from mmattn.tokens import Tokens
 
 __all__ = ["ContextParallel", "context_plan"]
@@ -305,16 +305,20 @@ def attend_rows(attn: MultiHeadAttention, plan: ContextPlan, x: Tensor, real: Te
         rearrange(t.contiguous(), "(b u) (k e) -> b k u e", b=1, k=kv_heads)
         for t in (frame[:, :width], frame[:, width:width + v.shape[1] * v.shape[3]]))
     key_mask = None if real is None else frame[None, :, -1] > 0.5
+    mods = score_modifiers(attn)
     if not frame.shape[0]:  # no rows here: nothing to attend; the output still depends on
-        # the frame, so that the exchange's backward (a collective) runs on this rank too
-        out = v_frame.new_zeros(*q.shape[:3], v.shape[3]) + frame.sum() * 0
+        # the frame, so that the exchange's backward (a collective) runs on this rank too,
+        # and on every parameter, so that each has a (zero) gradient as on the other ranks
+        touch = frame.sum() + q.sum() + (0 if mods is None or mods.sinks is None
+                                         else mods.sinks.sum())
+        out = v_frame.new_zeros(*q.shape[:3], v.shape[3]) + touch * 0
         return attn.out_proj(rearrange(out, "b h r e -> b r (h e)"))
     q_frame = q.new_zeros(*q.shape[:2], frame.shape[0], q.shape[3]).index_copy(
         2, plan.own_index, q)
     out, _ = block_sparse.attend(
         q_frame, k_frame, v_frame, plan.frame.plan(attn.embed_dim), key_mask=key_mask,
         is_causal=is_causal, dropout_p=attn.dropout if attn.training else 0.0,
-        groups=q.shape[1] // kv_heads, modifiers=score_modifiers(attn),
+        groups=q.shape[1] // kv_heads, modifiers=mods,
         positions=plan.frame_positions,
     )
     out = out.index_select(2, plan.own_index)
@@ -346,7 +350,3 @@ def _position(attn: MultiHeadAttention, x: Tensor, plan: ContextPlan,
     index = plan.positions.to(x.device)
     return apply_rotary(x, cos[index], sin[index])
 
-
-def rotary_ok(attn: MultiHeadAttention) -> bool:
-    """Whether :func:`_position` can place ``attn.position`` without given positions."""
-    return attn.position is None or isinstance(attn.position, RotaryEmbedding)

@@ -403,7 +403,10 @@ def all_reduce_grads(module: nn.Module, group=None) -> None:
     """Sum every parameter gradient of ``module`` over ``group`` (in place).
 
     Under sequence parallelism each rank's backward gives the parameter gradient of its own
-    shard's share of the loss; the gradient of the whole loss is their sum.
+    shard's share of the loss; the gradient of the whole loss is their sum. A parameter
+    that has a gradient on some rank is summed on every rank (a rank where it has none, e.g.
+    one that held no rows of a context-parallel call, adds zeros), so every rank reduces the
+    same tensors; one without a gradient anywhere keeps None.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` (e.g. a list of tensors).
@@ -414,7 +417,15 @@ def all_reduce_grads(module: nn.Module, group=None) -> None:
             f"all_reduce_grads takes the module whose parameter gradients to sum (an "
             f"nn.Module), got {type(module).__name__}"
         )
+    from mmattn.distributed import _halo
+
     dist = require_group("all_reduce_grads")
-    for param in module.parameters():
-        if param.grad is not None:
+    params = [p for p in module.parameters() if p.requires_grad]
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8,
+                       device=_halo.comm_device(group))
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    for param, any_rank in zip(params, has.tolist()):
+        if any_rank:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
