@@ -18,9 +18,10 @@ non-empty set of ranks. A case is, over all ranks:
 - ``silent``: bad input accepted everywhere, or valid input with wrong numbers;
 - ``refused``: valid input raised;
 - ``hang``: no answer within ``--timeout`` seconds (the processes are killed; the run
-  resumes after that case).
+  resumes after that case);
+- ``crash``: the tool itself failed building the case (its bug, shown with its traceback).
 
-The exit status is 1 when any case is split, silent, refused or a hang, or one is opaque.
+The exit status is 1 when any case is not ok or named.
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ def _apply(corrupt: str | None, call: dict, rng: random.Random, extra: dict) -> 
         call["query"] = q.float()
     elif corrupt == "width":
         call["query"] = torch.cat([q, q[..., :1]], dim=-1)
-    elif corrupt == "rows":
-        call["query"] = q[:, 1:]
+    elif corrupt == "rows":  # one row fewer (one more where there is none)
+        call["query"] = q[:, 1:] if q.shape[1] else torch.cat([q, q[:, :1, :] * 0 + 1], 1)
     elif corrupt == "list":
         call["query"] = q.tolist()
     elif corrupt == "key":  # another length (SequenceParallel takes another key of this one)
@@ -240,7 +241,12 @@ def _apply(corrupt: str | None, call: dict, rng: random.Random, extra: dict) -> 
         call["tokens"] = call["tokens"].to(torch.float32)
     elif corrupt == "tokens_rows":
         tokens = call["tokens"]
-        call["tokens"] = type(tokens)(tokens.x[:, 1:], tokens.mask[:, 1:], {})
+        x, mask = tokens.x, tokens.mask
+        if x.shape[1]:
+            x, mask = x[:, 1:], mask[:, 1:]
+        else:
+            x, mask = x.new_zeros(1, 1, x.shape[2]), mask.new_ones(1, 1)
+        call["tokens"] = type(tokens)(x, mask, {})
     return call
 
 
@@ -268,7 +274,11 @@ def _worker(rank: int, world: int, port: int, seed: int, first: int, cases: int,
     (Path(out) / f"rank{rank}.ready").touch()  # the watchdog counts from here
     with open(Path(out) / f"rank{rank}.jsonl", "a") as log:
         for index in range(first, cases):
-            result = _case(index, seed, world, rank)
+            try:
+                result = _case(index, seed, world, rank)
+            except Exception:  # noqa: BLE001 (the tool's own failure: reported, not a hang)
+                result = {"subject": "?", "corrupt": None, "bad": [],
+                          "crash": traceback.format_exc()[-600:]}
             log.write(json.dumps({"index": index, **result}) + "\n")
             log.flush()
             dist.barrier()
@@ -294,6 +304,9 @@ def _read(out: Path, world: int) -> list[dict[int, dict]]:
 
 
 def _judge(entries: list[dict]) -> tuple[str, str]:
+    crashed = [e["crash"] for e in entries if "crash" in e]
+    if crashed:
+        return "crash", crashed[0]
     first = entries[0]
     raised = [e for e in entries if "error" in e]
     if not first["corrupt"]:
@@ -382,10 +395,10 @@ def main() -> int:
     total = sum(counts.values())
     print(f"{total} cases on {args.world} processes: " + ", ".join(
         f"{k} {counts[k]}" for k in ("ok", "named", "opaque", "split", "silent", "refused",
-                                    "hang")))
+                                    "hang", "crash")))
     for line in bad_lines:
         print(line)
-    failed = any(counts[k] for k in ("opaque", "split", "silent", "refused", "hang"))
+    failed = any(counts[k] for k in ("opaque", "split", "silent", "refused", "hang", "crash"))
     return int(failed)
 
 
