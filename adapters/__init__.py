@@ -1,4 +1,5 @@
-"""mmattn adapters: turn text, images, audio and graphs into ``Tokens`` (B, L, D) + mask.
+"""mmattn adapters: turn text, images, video, audio and graphs into ``Tokens`` (B, L, D) +
+mask.
 
 ``import adapters`` needs only torch and einops; torchvision, torchaudio and torch_geometric
 are imported when an adapter first needs them, and a missing one raises ImportError naming
@@ -10,6 +11,7 @@ from adapters.base import ModalityAdapter, adapter_class, available, create
 from adapters.graph import GraphNodeSequencer, laplacian_eigenvectors, neighbourhood_mask
 from adapters.image import IMAGENET_MEAN, IMAGENET_STD, ImagePatcher, image_transform
 from adapters.text import ByteTokenizer, TextTokenEmbedder
+from adapters.video import VideoPatcher
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -20,6 +22,7 @@ __all__ = [
     "ImagePatcher",
     "ModalityAdapter",
     "TextTokenEmbedder",
+    "VideoPatcher",
     "adapter_class",
     "available",
     "create",

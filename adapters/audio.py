@@ -30,7 +30,7 @@ from mmattn._checks import (
     check_factory_dtype,
     check_floating,
     check_has_data,
-    check_integer_dtype,
+    check_lengths,
     check_positive_int,
     check_rank,
 )
@@ -246,22 +246,10 @@ class AudioFrameEmbedder(ModalityAdapter):
             )
         if input_rate is not None:
             check_positive_int("input_rate", input_rate)
-        if lengths is None:
-            return
-        check_integer_dtype("lengths", lengths, "samples per clip")
-        if tuple(lengths.shape) != (waveform.shape[0],):
-            raise ValueError(
-                f"lengths must have shape (batch,)=({waveform.shape[0]},), got "
-                f"{tuple(lengths.shape)}"
+        if lengths is not None:
+            check_lengths(
+                "lengths", lengths, waveform.shape[0], waveform.shape[-1], "samples", "waveform"
             )
-        check_has_data("lengths", lengths)
-        if lengths.numel() and not torch.compiler.is_compiling():
-            low, high = int(lengths.min()), int(lengths.max())
-            if low < 1 or high > waveform.shape[-1]:
-                raise ValueError(
-                    f"lengths must lie in [1, T={waveform.shape[-1]}] (samples of waveform), "
-                    f"got values in [{low}, {high}]"
-                )
 
     def forward(
         self,

@@ -14,7 +14,6 @@ weight reshaped to (d, c, p, p) on CUDA, an einops rearrange + linear on CPU.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from adapters._imports import require
+from adapters._pixels import grid_and_pad, to_pixels
 from adapters.base import ModalityAdapter
 from mmattn._checks import (
     check_choice,
@@ -42,18 +42,6 @@ __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ImagePatcher", "image_transform"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def _grid_and_pad(size: int, patch: int, stride: int) -> tuple[int, int]:
-    """Number of patches along one side and the zero padding that makes them fit.
-
-    Patches start at 0, s, 2s, ... while the start is inside the image; the last one may
-    stick out, and the image is padded (bottom/right) to cover it.
-    """
-    # sym_max, not a branch, so a traced size (torch.export) stays symbolic; a non-negative
-    # numerator where it counts, as ONNX divides integers toward zero, not down
-    count = torch.sym_max(1, math.ceil((size - patch) / stride) + 1)
-    return count, (count - 1) * stride + patch - size
 
 
 class ImagePatcher(ModalityAdapter):
@@ -144,7 +132,7 @@ class ImagePatcher(ModalityAdapter):
             )
         self.img_size = check_pair("img_size", img_size)
         self.grid_size = tuple(
-            _grid_and_pad(n, self.patch_size, self.stride)[0] for n in self.img_size
+            grid_and_pad(n, self.patch_size, self.stride)[0] for n in self.img_size
         )
         check_choice("positional", positional, ("learned", "sincos", None))
         if positional == "sincos" and embed_dim % 4:
@@ -181,15 +169,9 @@ class ImagePatcher(ModalityAdapter):
                 f"{tuple(images.shape)}"
             )
         check_has_data("images", images)
-        dtype, device = self._param_dtype_device()
-        if images.dtype == torch.uint8:
-            images = images.to(device=device, dtype=dtype) / 255
-        elif images.is_floating_point():
-            images = images.to(device=device, dtype=dtype)
-        else:
-            raise TypeError(f"images must be floating or torch.uint8, got {images.dtype}")
+        images = to_pixels("images", images, *self._param_dtype_device())
         (rows, pad_h), (cols, pad_w) = (
-            _grid_and_pad(n, self.patch_size, self.stride) for n in images.shape[-2:]
+            grid_and_pad(n, self.patch_size, self.stride) for n in images.shape[-2:]
         )
         if not surely(pad_h == 0) or not surely(pad_w == 0):  # traced sizes: always pad
             images = F.pad(images, (0, pad_w, 0, pad_h))

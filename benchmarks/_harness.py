@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+#: Seconds one sample should last when :func:`interleaved_samples` picks its ``calls``.
+SAMPLE_SECONDS = 0.02
+
 
 def interleaved_samples(
     contenders: Mapping[str, Callable[[], object]],
@@ -29,18 +32,36 @@ def interleaved_samples(
     warmup: int = 1,
     seed: int = 0,
     sync: Callable[[], object] | None = None,
+    calls: int | None = 1,
+    device: str = "cpu",
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Wall and process-CPU seconds of every run of each zero-argument callable, interleaved.
 
-    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the clock starts and stops, so
-    asynchronous devices are timed for their work, not for the launch. On a shared machine
-    another process's load stretches wall time but hardly this process's CPU time, so with
-    one torch thread the CPU-time ratios are the steadier ones.
+    Every repeat runs each contender once, in a shuffled order. A sample times ``calls``
+    (k) back-to-back calls and records their mean, so a sub-millisecond call's launch and
+    sync overhead are spread over k calls instead of landing on every sample (and pulling
+    the ratios toward 1); ``calls=None`` picks k per contender from the warm-up so a sample
+    lasts about :data:`SAMPLE_SECONDS`. On ``device="cuda"`` the wall times come from CUDA
+    events recorded around the k calls (the device's clock, after a synchronisation so the
+    previous contender's work does not count); elsewhere from ``perf_counter``, with
+    ``sync`` (e.g. ``torch.cuda.synchronize``) run before the clock starts and stops. On a
+    shared machine another process's load stretches wall time but hardly this process's CPU
+    time, so with one torch thread the CPU-time ratios are the steadier ones.
     """
     sync = sync or (lambda: None)
-    for fn in contenders.values():
+    cuda = device.startswith("cuda")
+    if cuda:
+        import torch
+
+        sync = torch.cuda.synchronize
+    counts = {}
+    for name, fn in contenders.items():
+        start = time.perf_counter()
         for _ in range(warmup):
             fn()
+        sync()
+        each = (time.perf_counter() - start) / max(warmup, 1)
+        counts[name] = calls or max(1, min(1000, int(SAMPLE_SECONDS / max(each, 1e-6))))
     wall: dict[str, list[float]] = {name: [] for name in contenders}
     cpu: dict[str, list[float]] = {name: [] for name in contenders}
     order = list(contenders)
@@ -48,13 +69,25 @@ def interleaved_samples(
     for _ in range(repeats):
         rng.shuffle(order)
         for name in order:
+            fn, k = contenders[name], counts[name]
             gc.collect()
             sync()
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                begin.record()
             start_wall, start_cpu = time.perf_counter(), time.process_time()
-            contenders[name]()
-            sync()
-            wall[name].append(time.perf_counter() - start_wall)
-            cpu[name].append(time.process_time() - start_cpu)
+            for _ in range(k):
+                fn()
+            if cuda:
+                end.record()
+                end.synchronize()
+                seconds = begin.elapsed_time(end) / 1e3
+            else:
+                sync()
+                seconds = time.perf_counter() - start_wall
+            wall[name].append(seconds / k)
+            cpu[name].append((time.process_time() - start_cpu) / k)
     return wall, cpu
 
 
@@ -64,9 +97,11 @@ def interleaved_medians(
     warmup: int = 1,
     seed: int = 0,
     sync: Callable[[], object] | None = None,
+    calls: int | None = 1,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Median wall time in seconds of each callable, run interleaved (interleaved_samples)."""
-    wall, _ = interleaved_samples(contenders, repeats, warmup, seed, sync)
+    wall, _ = interleaved_samples(contenders, repeats, warmup, seed, sync, calls, device)
     return {name: statistics.median(ts) for name, ts in wall.items()}
 
 

@@ -4,8 +4,9 @@ Axis key: ``b`` batch, ``c`` channels, ``h``/``w`` pixels, ``p`` patch, ``l`` to
 ``d`` model width, ``n`` nodes.
 
 Every contender runs forward + backward (a fixed upstream gradient) in the same process;
-contenders are interleaved round by round and the median of the rounds is reported, with
-the ratio to the baseline of each group (first row). Prints a markdown table.
+contenders are interleaved round by round in a shuffled order (benchmarks/_harness.py) and
+the median of the rounds is reported, with the ratio to the baseline of each group (first
+row). Prints a markdown table.
 
     python benchmarks/adapters.py            # full sizes (as in docs/performance.md)
     python benchmarks/adapters.py --quick    # small sizes, few rounds, for development
@@ -14,9 +15,7 @@ the ratio to the baseline of each group (first row). Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,18 +31,7 @@ from torch import nn  # noqa: E402
 from adapters import AudioFrameEmbedder, GraphNodeSequencer, ImagePatcher  # noqa: E402
 
 sys.path.append(str(_HERE))  # after `adapters` is imported, so it cannot shadow it
-from _harness import add_docs_argument, write_docs  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _step(fn: Callable[[], torch.Tensor], grad: torch.Tensor | None) -> None:
-    out = fn()
-    if grad is not None:
-        out.backward(grad)
+from _harness import add_docs_argument, interleaved_medians, write_docs  # noqa: E402
 
 
 def measure(
@@ -52,17 +40,20 @@ def measure(
     rounds: int,
     device: torch.device,
 ) -> dict[str, float]:
-    """Median seconds per contender, rounds interleaved (after one warm-up round)."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for round_ in range(rounds + 1):
-        for name, fn in contenders.items():
-            _sync(device)
-            start = time.perf_counter()
-            _step(fn, grads[name])
-            _sync(device)
-            if round_:  # round 0 warms up
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median seconds per contender's forward + backward, rounds interleaved in a shuffled
+    order after one warm-up round (benchmarks/_harness.py; on CUDA, CUDA events around
+    enough calls per sample to last about 20 ms)."""
+
+    def step(fn: Callable[[], torch.Tensor], grad: torch.Tensor | None) -> None:
+        out = fn()
+        if grad is not None:
+            out.backward(grad)
+
+    steps = {name: (lambda fn=fn, grad=grads[name]: step(fn, grad))
+             for name, fn in contenders.items()}
+    cuda = device.type == "cuda"
+    return interleaved_medians(steps, rounds, warmup=1, calls=None if cuda else 1,
+                               device=device.type)
 
 
 def image_group(args, device, dtype):

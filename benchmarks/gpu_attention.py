@@ -76,7 +76,7 @@ def mha_vs_sdpa(lengths, repeats):
                             requires_grad=train)
             t = interleaved_medians(
                 {"ours": _step(lambda x, m=ours: m(x)[0], x, train), "raw": _step(raw, x, train)},
-                repeats, warmup=2, sync=torch.cuda.synchronize,
+                repeats, warmup=2, calls=None, device="cuda",
             )
             work = flops * (3 if train else 1)
             tf = {k: work / v / 1e12 for k, v in t.items()}
@@ -106,7 +106,7 @@ def local_vs_flex(lengths, repeats):
                             requires_grad=train)
             t = interleaved_medians(
                 {"ours": _step(lambda x, m=ours: m(x)[0], x, train), "flex": _step(flex, x, train)},
-                repeats, warmup=2, sync=torch.cuda.synchronize,
+                repeats, warmup=2, calls=None, device="cuda",
             )
             rows.append([length, "fwd+bwd" if train else "forward", t["ours"] * 1e3,
                          t["flex"] * 1e3, t["ours"] / t["flex"]])

@@ -1,93 +1,68 @@
-"""Issue 34's table side by side: mmattn vs varlen_attn, flex (hand-written mask_mod), flex
-(``Pattern.mask_mod``) and dense SDPA, each with the same four projections (CUDA, bf16).
+"""Issue 34's table side by side: mmattn vs torch's varlen_attn, flex (hand-written
+mask_mod), flex (``Pattern.mask_mod``) and dense SDPA, each with the same four projections
+(CUDA, bf16).
 
 Run (on a CUDA machine; benchmarks/gpu_check.sh does): ``python benchmarks/gpu_engines.py
---write-docs`` (the "GPU engines" block of docs/performance.md). ``--device cpu --tiny``
-checks the script's logic on a CPU at toy sizes (flex runs its CPU forward only, varlen is
-left out; the numbers mean nothing).
+--write-docs --budget 200`` (the "GPU engines" block of docs/performance.md, rewritten after
+every case so a run cut short keeps what it measured). ``--device cpu --tiny`` checks the
+script's logic on a CPU at toy sizes (flex runs its CPU forward only, varlen is left out;
+the numbers mean nothing).
 
-Rows (D=1024, H=16 unless tiny): packed documents (B=4, L=8192, lengths 128..1024, causal
-inside); packed Tokens (benchmarks/varlen.py's lengths); per-modality (B=2, text 1024
-causal, image 64² neighbourhood 7, audio 4096 window 128); LocalAttention (window 256,
-L=16384, fwd and fwd+bwd); NeighborhoodAttention (k=7, 64² and 128²); MultiHeadAttention
-forward (L=1024, B=16); EdgeAttention vs PyG's TransformerConv (N=100k, 16 edges a node,
-fp32; as benchmarks/edge.py). Time: medians of interleaved, synchronised repeats; peak memory:
-one more run after resetting the peak counter. The mmattn row names the engines its
-attention calls ran (``explain``'s listener). A contender that fails prints its error in
-the table instead of a time.
+Rows (D=1024, H=16 unless tiny), most important first: packed documents (B=4, L=8192,
+lengths 128..1024, causal inside); LocalAttention (window 256, L=16384, fwd and fwd+bwd);
+per-modality (B=2, text 1024 causal, image 64² neighbourhood 7, audio 4096 window 128);
+NeighborhoodAttention (k=7, 64² and 128²); packed Tokens (benchmarks/varlen.py's lengths);
+MultiHeadAttention (L=1024, B=16); EdgeAttention vs PyG's TransformerConv (N=100k, 16
+edges a node, fp32; as benchmarks/edge.py).
+
+- The varlen anchor is torch's ``varlen_attn`` called directly on the runs.
+- The flex baselines compile their own copy of flex_attention (one per contender, apart from
+  mmattn's: neither spends the other's dynamo cache or recompile budget); their block masks
+  are built by ``torch.compile(create_block_mask)``.
+- Before its time is reported, every contender's output (and, fwd+bwd, the input's
+  gradient) is compared with mmattn's fallback kernel (``engines.use("fallback")``) on the
+  same input: a contender that differs by more than ``TOLERANCE`` (relative to the largest
+  value) shows the difference instead of a time.
+- Time: CUDA events around enough back-to-back calls to last about 20 ms a sample, samples
+  interleaved in a shuffled order, medians (benchmarks/_harness.py); peak memory: one more
+  run after resetting the peak counter. The mmattn row names the engines its attention
+  calls ran (``explain``'s listener); the last line counts the graphs mmattn's flex calls
+  compiled. A contender that fails prints its error in the table instead of a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gpu_contenders import (  # noqa: E402
+    Projected,
+    dense_kernel,
+    flex_kernel,
+    once,
+    outputs,
+    relative_error,
+    varlen_kernel,
+)
 from _harness import add_docs_argument, interleaved_medians, markdown_table, write_docs  # noqa
 
 from mmattn import LocalAttention, MultiHeadAttention, NeighborhoodAttention, Tokens  # noqa
 from mmattn import patterns as P  # noqa: E402
 from mmattn.kernels import dense as _kernel  # noqa: E402
+from mmattn.kernels import engines as _engines  # noqa: E402
+from mmattn.kernels import flex as _flex_engine  # noqa: E402
 
-
-class Projected(nn.Module):
-    """The four projections of ``ours`` around ``kernel(q, k, v)`` on (b, h, l, e)."""
-
-    def __init__(self, ours: nn.Module, kernel, heads: int) -> None:
-        super().__init__()
-        self.ours, self.kernel, self.heads = ours, kernel, heads
-
-    def forward(self, x):
-        m = self.ours
-        q, k, v = (rearrange(p(x), "b l (h e) -> b h l e", h=self.heads)
-                   for p in (m.q_proj, m.k_proj, m.v_proj))
-        return m.out_proj(rearrange(self.kernel(q, k, v), "b h l e -> b l (h e)"))
-
-
-def flex_kernel(mask_mod, batch, length, device, score_mod=None):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from mmattn.kernels.flex import compiled
-
-    mask = create_block_mask(mask_mod, batch, None, length, length, device=device,
-                             BLOCK_SIZE=128 if device.type == "cuda" else 16,
-                             _compile=device.type == "cuda")
-    return lambda q, k, v: compiled(device.type)(q, k, v, block_mask=mask,
-                                                   score_mod=score_mod)
-
-
-def once(build):
-    """A contender built on its first call (outside the timing), then reused."""
-    made = []
-
-    def run(x):
-        if not made:
-            made.append(build())
-        return made[0](x)
-
-    return run
-
-
-def varlen_kernel(cu, max_len, window=(-1, -1)):
-    from mmattn.kernels.varlen import packed_attend
-
-    def kernel(q, k, v):
-        b, h, length, e = q.shape
-        rows = [t.transpose(1, 2).reshape(b * length, h, e) for t in (q, k, v)]
-        out = packed_attend(*rows, cu, cu, max_len, max_len, window=window)
-        return out.view(b, length, h, e).transpose(1, 2)
-
-    return kernel
-
-
-def dense_kernel(allowed):
-    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+#: Largest difference from the fallback's output (relative to its largest value) for a
+#: contender's time to be reported (bf16: a few units of its 8-bit mantissa).
+TOLERANCE = 3e-2
+#: Contenders whose output is not mmattn's by construction (their own weights): not compared.
+UNCOMPARED = {"TransformerConv": "its own weights"}
 
 
 def pattern_runs(mha, pattern, tokens, hand, hand_batch, cfg):
@@ -257,8 +232,9 @@ def measure(label, shape, runs, anchor, cfg, dev, train):
         x = shape().requires_grad_(train)
     else:
         x = torch.randn(*shape, cfg["dim"], device=dev, dtype=cfg["dtype"], requires_grad=train)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else None
-    steps, errors, engines = {}, {}, set()
+    with _engines.use("fallback"):  # the reference every contender is held to
+        want = outputs(runs["mmattn"], x, train)
+    steps, errors, engines, diffs = {}, {}, set(), {}
     for name, fn in runs.items():
         def step(fn=fn):
             with torch.set_grad_enabled(train):
@@ -271,14 +247,23 @@ def measure(label, shape, runs, anchor, cfg, dev, train):
             remove = _kernel.add_listener(
                 lambda r, ours=ours: ours.add(r.get("engine") or r.get("path")))
             try:
-                step()
+                got = outputs(fn, x, train)
             finally:
                 remove()
+            if name in UNCOMPARED:
+                diffs[name] = f"not compared ({UNCOMPARED[name]})"
+            else:
+                err = max(relative_error(g, w) for g, w in zip(got, want) if w is not None)
+                diffs[name] = f"{err:.1e}"
+                if not err <= TOLERANCE:
+                    errors[name] = f"differs from the fallback: max error {err:.2g}"
+                    continue
             steps[name] = step
         except Exception as error:  # noqa: BLE001 - reported in the table
             text = " ".join(str(error).split())[:80].replace("|", "/")
             errors[name] = f"failed: {type(error).__name__}: {text}"
-    times = interleaved_medians(steps, cfg["repeats"], warmup=1, sync=sync) if steps else {}
+    times = interleaved_medians(steps, cfg["repeats"], warmup=1, calls=None,
+                                device=dev.type) if steps else {}
     peaks = {}
     for name, step in steps.items():
         if dev.type == "cuda":
@@ -288,15 +273,16 @@ def measure(label, shape, runs, anchor, cfg, dev, train):
             torch.cuda.synchronize()
             peaks[name] = torch.cuda.max_memory_allocated() / 2**30
     rows = []
+    mode = "fwd+bwd" if train else "fwd"
     for name in runs:
+        diff = diffs.get(name, "")
         if name in errors:
-            rows.append([label, "fwd+bwd" if train else "fwd", name, errors[name], "", ""])
+            rows.append([label, mode, name, errors[name], "", "", diff])
             continue
         ratio = f"{times[name] / times[anchor]:.2f}x" if anchor in times else ""
         peak = f"{peaks[name]:.2f}" if name in peaks else "-"
         shown = f"mmattn ({', '.join(sorted(engines))})" if name == "mmattn" else name
-        rows.append([label, "fwd+bwd" if train else "fwd", shown,
-                     f"{1e3 * times[name]:.2f}", peak, ratio])
+        rows.append([label, mode, shown, f"{1e3 * times[name]:.2f}", peak, ratio, diff])
     return rows
 
 
@@ -312,11 +298,26 @@ SIZES = {
 }
 
 
+HEADER = ["case", "pass", "contender", "ms", "peak GiB", "vs anchor", "max err vs fallback"]
+
+
+def graph_line() -> str:
+    """How many graphs mmattn's flex calls compiled (per signature: see mmattn.kernels.flex)."""
+    counts = [n for n in _flex_engine.graphs().values() if n is not None]
+    if not counts:
+        return "mmattn's flex calls compiled no graph here."
+    return (f"mmattn's flex calls: {len(counts)} signatures, {sum(counts)} graphs "
+            f"(at most {max(counts)} for one signature; dynamo's limit "
+            f"{_engines.recompile_limit()} per signature).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (logic check)")
     parser.add_argument("--only", default="", help="comma-separated case names")
+    parser.add_argument("--budget", type=float, default=0.0,
+                        help="seconds: start no new case after this (0: no limit)")
     add_docs_argument(parser)
     args = parser.parse_args()
     dev = torch.device(args.device)
@@ -325,39 +326,49 @@ def main() -> None:
     torch.manual_seed(0)
     cases = {
         "documents": lambda: case_documents(cfg, dev),
-        "tokens": lambda: case_packed_tokens(cfg, dev),
-        "per_modality": lambda: case_per_modality(cfg, dev),
         "local": lambda: case_local(cfg, dev),
+        "per_modality": lambda: case_per_modality(cfg, dev),
         **{f"neighborhood{s}": (lambda s=s: case_neighborhood(cfg, dev, s))
            for s in cfg["nbhd"]},
+        "tokens": lambda: case_packed_tokens(cfg, dev),
         "mha": lambda: case_mha(cfg, dev),
         "edge": lambda: case_edge(cfg, dev),
     }
     only = [c for c in args.only.split(",") if c]
     train_modes = {"local": (False, True), "mha": (False, True)}
-    rows = []
+    rows, start = [], time.monotonic()
     for name, make in cases.items():
         if only and name not in only:
+            continue
+        if args.budget and time.monotonic() - start > args.budget:
+            rows.append([name, "", "", "skipped: time budget spent", "", "", ""])
             continue
         try:
             label, shape, runs, anchor = make()
         except Exception as error:  # noqa: BLE001 - one broken case must not end the run
             rows.append([name, "", "", f"failed to build: {type(error).__name__}: {error}",
-                         "", ""])
+                         "", "", ""])
             continue
         modes = train_modes.get(name, (True,)) if dev.type == "cuda" else (False,)
         for train in modes:  # (no flex backward on the CPU)
             rows += measure(label, shape, runs, anchor, cfg, dev, train)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        print(markdown_table(["case", "pass", "contender", "ms", "peak GiB", "vs anchor"],
-                             rows[-len(runs) * len(modes):]), flush=True)
-    table = markdown_table(["case", "pass", "contender", "ms", "peak GiB", "vs anchor"], rows)
-    print(table)
-    if args.write_docs and not args.tiny:
-        name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-        write_docs("gpu-engines", f"{name}, torch {torch.__version__}, "
-                   f"{str(cfg['dtype'])[6:]}\n\n{table}", device=str(dev))
+        print(markdown_table(HEADER, rows[-len(runs) * len(modes):]), flush=True)
+        write(args, dev, cfg, rows)
+    print(markdown_table(HEADER, rows))
+    print(graph_line())
+    write(args, dev, cfg, rows)
+
+
+def write(args, dev, cfg, rows) -> None:
+    """The table so far into docs/performance.md (after every case: a run cut short keeps
+    what it measured)."""
+    if not args.write_docs or args.tiny:
+        return
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    write_docs("gpu-engines", f"{name}, torch {torch.__version__}, {str(cfg['dtype'])[6:]}"
+               f"\n\n{markdown_table(HEADER, rows)}\n\n{graph_line()}", device=str(dev))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def main() -> None:
         medians = interleaved_medians(
             {n: (lambda fn=fn, qkv=(qb, kb, vb): fn(*qkv).sum().backward()) for n, fn in
              (("ours", ours), ("flex", flex))},
-            repeats=10, warmup=2, sync=torch.cuda.synchronize,
+            repeats=10, warmup=2, calls=None, device="cuda",
         )
         for name, t in medians.items():
             rows.append([f"{side}²", name, t * 1e3, t / medians["flex"]])

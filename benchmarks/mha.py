@@ -82,6 +82,8 @@ def main() -> None:
     lengths = [128, 256] if args.quick else [128, 512, 1024, 2048]
     modules, calls = build(embed_dim, num_heads, args.device, dtype)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
+    # on CUDA: CUDA events around k calls a sample (benchmarks/_harness.py)
+    timing = {"calls": None, "device": "cuda"} if sync else {}
     where = (torch.cuda.get_device_name() if sync else
              f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     print(f"# torch {torch.__version__}, {args.device} {args.dtype}, {where}")
@@ -99,13 +101,13 @@ def main() -> None:
                 def run(fn, x=x):
                     fn(x).sum().backward()
                 contenders = {name: (lambda fn=fn: run(fn)) for name, fn in calls.items()}
-                medians = interleaved_medians(contenders, repeats, sync=sync)
+                medians = interleaved_medians(contenders, repeats, sync=sync, **timing)
             else:
                 def infer(fn, x=x):
                     with torch.inference_mode():
                         fn(x)
                 contenders = {name: (lambda fn=fn: infer(fn)) for name, fn in calls.items()}
-                medians = interleaved_medians(contenders, repeats, sync=sync)
+                medians = interleaved_medians(contenders, repeats, sync=sync, **timing)
             rows.append([
                 mode, length,
                 medians["torch"] * 1e3, medians["ours"] * 1e3,

@@ -19,7 +19,14 @@ fp32, one torch thread, D = 64, 4 heads of width 16, batch 1. Measures (issue 26
 - ``exponent``: documents of 512, L = 2k ... 16k, fwd + bwd of the SparseMask run, the
   slope of log time over log L;
 - ``compile``: ``pattern.compile(tokens)`` at L = 32768 (64 documents, causal), and the
-  kernel's one-off bucket plan beside it.
+  kernel's one-off bucket plan beside it;
+- ``--video`` (its own table, issue 42): video tokens on the grid (8, 32, 32) (L = 8192, the
+  ``meta`` a VideoPatcher writes: ``grid`` and ``frames``), ``Encoder(pattern=
+  P.causal(by="frames") & P.neighborhood((3, 7, 7), causal=(True, False, False)))`` (one
+  block; the pattern compiled in every forward) against the same encoder with the pattern's
+  dense (H, L, L) ``attn_mask`` (built outside the timing), fwd + bwd, and the peak memory
+  of both (measured with glibc's mmap threshold fixed at 128 KiB in the children, as
+  benchmarks/neighborhood_video.py explains).
 
 Times are medians of interleaved repeats of process CPU time (benchmarks/_harness.py); the
 machine is shared, so the load average is printed beside them. Peak memory is the growth
@@ -138,8 +145,70 @@ def compile_times(length: int, repeats: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(plans)
 
 
+VIDEO = P.causal(by="frames") & P.neighborhood((3, 7, 7), causal=(True, False, False))
+
+
+def video(frames: int = 8, side: int = 32) -> Tokens:
+    """Video tokens as VideoPatcher lays them out: (t, h, w) row-major, frame ids."""
+    length = frames * side * side
+    ids = (torch.arange(length) // (side * side))[None]
+    return Tokens(torch.randn(1, length, EMBED), meta={"grid": (frames, side, side),
+                                                       "frames": ids})
+
+
+def encoders(tokens: Tokens) -> dict:
+    """fwd + bwd of Encoder(pattern=VIDEO) and of the same encoder with the dense mask."""
+    from mmattn import Encoder
+
+    torch.manual_seed(0)
+    sparse = Encoder(EMBED, 1, HEADS, pattern=VIDEO)
+    dense = Encoder(EMBED, 1, HEADS)
+    dense.load_state_dict(sparse.state_dict())
+    hidden = (~VIDEO.dense(tokens)).repeat_interleave(HEADS, 0)
+
+    def step(encoder, mask):
+        def run():
+            encoder(tokens.replace(tokens.x.detach().requires_grad_()),
+                    attn_mask=mask).x.sum().backward()
+        return run
+
+    return {"sparse": step(sparse, None), "dense": step(dense, hidden)}
+
+
+def video_main(quick: bool, write: bool) -> None:
+    before = load()
+    tokens = video(4 if quick else 8)
+    times = medians(encoders(tokens), 2 if quick else 5)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # as benchmarks/neighborhood_video
+    memory = {name: child_peak_memory(__file__, [f"video-{name}", str(tokens.length)], name)
+              for name in ("sparse", "dense")}
+    del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    density = VIDEO.compile(tokens).density
+    speed = times["dense"] / times["sparse"]
+    rows = [[f"video {tokens.meta['grid']}, L={tokens.length}, Encoder fwd+bwd",
+             "pattern= vs dense mask", times["sparse"] * 1e3, times["dense"] * 1e3,
+             f"{speed:.1f}x faster", f"{density:.3f}"]]
+    lines = [f"- `P.causal(by=\"frames\") & P.neighborhood((3, 7, 7), causal=(True, False, "
+             f"False))` through `Encoder(pattern=)` vs the dense mask: **{speed:.1f}x** "
+             "(target >= 8x)"]
+    if all(memory.values()):
+        lines.append(f"- peak memory growth: {memory['sparse'] / MIB:.0f} MiB vs "
+                     f"{memory['dense'] / MIB:.0f} MiB")
+    lines.append(f"- machine load average before / after: {before} / {load()}")
+    body = markdown_table(["case", "contenders", "ours ms", "other ms", "ratio", "density"],
+                          rows) + "\n\n" + "\n".join(lines)
+    print(body)
+    if write and not quick:
+        write_docs("patterns-video", body)
+
+
 def child(case: str, length: int) -> None:
     torch.set_num_threads(1)
+    if case.startswith("video"):
+        run = encoders(video(length // 1024))[case.split("-")[1]]
+        run()  # warm-up (the plan is built here)
+        print_child_peak(peak_rss_growth(run))
+        return
     tokens = documents(length) if case.startswith("documents") else fused()
     pattern = DOCUMENTS if case.startswith("documents") else PER_MODALITY
     run = contenders(tokens, pattern)[case.split("-")[1]]
@@ -155,6 +224,8 @@ def load() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    parser.add_argument("--video", action="store_true",
+                        help="only the video case (its own table in docs/performance.md)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     add_docs_argument(parser)
     args = parser.parse_args()
@@ -162,6 +233,9 @@ def main() -> None:
         child(args.child[0], int(args.child[1]))
         return
     torch.set_num_threads(1)
+    if args.video:
+        video_main(args.quick, args.write_docs)
+        return
     quick = args.quick
     length = 2048 if quick else 8192
     repeats = 2 if quick else 5

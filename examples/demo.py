@@ -27,6 +27,7 @@ from examples._common import Result
 #: Every example, longest first so that the workers finish together.
 EXAMPLES = (
     "interleaved_digits",
+    "video_digits",
     "multimodal_match",
     "audio_dtmf",
     "caption_decoder",

@@ -19,6 +19,7 @@ PICTURES = (
     "audio_dtmf_attention.png",
     "image_canvas_window.png",
     "multimodal_match_mass.png",
+    "video_digits_frame.png",
 )
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 

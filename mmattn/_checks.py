@@ -196,6 +196,30 @@ def check_range(name: str, value: Tensor, low: int, high: int, high_name: str = 
         raise ValueError(f"{name} must lie in [{low}, {bound}), got values in [{lo}, {hi}]")
 
 
+def check_lengths(
+    name: str, lengths: Tensor, batch: int, high: int, unit: str, source: str
+) -> None:
+    """Per-item lengths: a (batch,) integer tensor with every value in [1, high].
+
+    ``unit`` and ``source`` say what is counted: ``"samples"`` of ``"waveform"`` gives
+    "lengths must lie in [1, T=16000] (samples of waveform), ...". The range is read once
+    (skipped while ``torch.compile`` traces).
+    """
+    check_integer_dtype(name, lengths, f"{unit} per clip")
+    if tuple(lengths.shape) != (batch,):
+        raise ValueError(
+            f"{name} must have shape (batch,)=({batch},), got {tuple(lengths.shape)}"
+        )
+    check_has_data(name, lengths)
+    if lengths.numel() and not torch.compiler.is_compiling():
+        low, top = int(lengths.min()), int(lengths.max())
+        if low < 1 or top > high:
+            raise ValueError(
+                f"{name} must lie in [1, T={high}] ({unit} of {source}), got values in "
+                f"[{low}, {top}]"
+            )
+
+
 def check_pair(
     name: str, value: object, *, minimum: int = 1, what: str = "(height, width)"
 ) -> tuple[int, int]:
@@ -331,30 +355,71 @@ def first_param(module: torch.nn.Module) -> Tensor | None:
     return None
 
 
-def check_kernel(name: str, value: object) -> tuple[int, int]:
-    """An odd int (used twice) or a pair of odd ints >= 1: a neighbourhood kernel size."""
-    pair = check_pair(name, value, what="(rows, cols)")
-    if pair[0] % 2 == 0 or pair[1] % 2 == 0:
+#: How many axes a neighbourhood grid may have, and their names for the messages.
+GRID_AXES = (1, 2, 3)
+GRID_SIDES = "(length,), (rows, cols) or (frames, rows, cols)"
+
+
+def check_axes(
+    name: str, value: object, axes: int, *, minimum: int = 1, odd: bool = False,
+    flag: bool = False, grid: object = None,
+) -> tuple:
+    """One value per grid axis: an int (a bool with ``flag``) applies to every axis; a tuple
+    must have ``axes`` entries, each an int >= ``minimum`` (odd with ``odd``) or a bool.
+
+    Raises:
+        TypeError: neither one value nor a tuple of them; an entry of the wrong type.
+        ValueError: a tuple of another length (the message names ``grid`` when given), an
+            entry below ``minimum``, an even entry with ``odd``.
+    """
+    scalar = isinstance(value, bool) if flag else (
+        isinstance(value, int) and not isinstance(value, bool))
+    if scalar:
+        value = (value,) * axes
+    elif not isinstance(value, (tuple, list, torch.Size)):
+        one = "a bool or a tuple of bools" if flag else "an int or a pair (rows, cols)"
+        raise TypeError(
+            f"{name} must be {one}, or one per axis of a 1-D or 3-D grid, got {value!r}"
+        )
+    elif len(value) != axes:
+        where = "" if grid is None else f" of grid {tuple(grid)!r}"
+        raise ValueError(
+            f"{name} must have one entry per grid axis: expected {axes}{where}, got "
+            f"{len(value)} ({tuple(value)!r})"
+        )
+    if flag:
+        return tuple(check_bool(f"{name}[{i}]", v) for i, v in enumerate(value))
+    out = tuple(check_positive_int(f"{name}[{i}]", v, minimum) for i, v in enumerate(value))
+    if odd and any(v % 2 == 0 for v in out):
         raise ValueError(f"{name} must be odd (a window centred on its query), got {value!r}")
-    return pair
+    return out
 
 
-def check_grid(name: str, value: object) -> tuple[int, int]:
-    """A (rows, cols) pair of ints >= 1, as a tuple of Python ints.
+def check_kernel(name: str, value: object, axes: int = 2) -> tuple[int, ...]:
+    """An odd int (used on every axis) or one odd int >= 1 per axis: a neighbourhood kernel
+    size (a pair by default)."""
+    return check_axes(name, value, axes, odd=True)
+
+
+def check_grid(name: str, value: object, axes: Sequence[int] = (2,)) -> tuple[int, ...]:
+    """A grid of ints >= 1 with one of ``axes`` sides (a (rows, cols) pair by default, any
+    of :data:`GRID_AXES` for a neighbourhood), as a tuple of Python ints.
 
     Raises TypeError for a side that is not an int (``2.5``, ``2.0``, ``True``: nothing is
-    rounded or taken as 1), ValueError for a side < 1.
+    rounded or taken as 1) or another number of sides, ValueError for a side < 1.
     """
+    more = "" if tuple(axes) == (2,) else f" (a grid has 1 to 3 sides: {GRID_SIDES})"
     if isinstance(value, Tensor):
         if value.dim() != 1 or not is_integer_dtype(value.dtype):
             raise TypeError(
                 f"{name} must be a (rows, cols) pair of ints, got a tensor of shape "
-                f"{tuple(value.shape)} and dtype {value.dtype}"
+                f"{tuple(value.shape)} and dtype {value.dtype}{more}"
             )
         value = value.tolist()
-    if not isinstance(value, (tuple, list, torch.Size)) or len(value) != 2:
-        raise TypeError(f"{name} must be a (rows, cols) pair, got {value!r}")
-    return check_pair(name, tuple(_grid_side(v) for v in value), what="(rows, cols)")
+    if not isinstance(value, (tuple, list, torch.Size)) or len(value) not in axes:
+        raise TypeError(f"{name} must be a (rows, cols) pair{more}, got {value!r}")
+    sides = tuple(_grid_side(v) for v in value)
+    return tuple(check_positive_int(f"{name}[{i}]", v) for i, v in enumerate(sides))
 
 
 def _grid_side(value: object) -> object:

@@ -37,7 +37,11 @@ def surely(condition: object) -> bool:
 
 
 def exporting() -> bool:
-    """True while ``torch.export`` traces (``torch.compiler.is_exporting``; False on torch
-    releases older than that function)."""
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return bool(is_exporting is not None and is_exporting())
+    """True while ``torch.export`` traces: ``torch.compiler.is_exporting`` where torch has it
+    (feature ``is_exporting``), else :func:`mmattn._features.export_tracing` (strict and
+    non-strict export of the torch releases before it)."""
+    from mmattn._features import export_tracing, features
+
+    if features().is_exporting:
+        return bool(torch.compiler.is_exporting())
+    return export_tracing()

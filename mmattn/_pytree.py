@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -57,6 +58,12 @@ def _unflatten_tokens(children: Sequence[Any], context: tuple[Any, ...]) -> Any:
     return tokens
 
 
+def _flatten_tokens_spec(tokens, spec) -> list[Any]:
+    """The children of ``tokens`` for torch.fx's ``tree_flatten_spec`` (the spec's
+    structure is the one :func:`_flatten_tokens` gives)."""
+    return _flatten_tokens(tokens)[0]
+
+
 def _dump_context(context: tuple[Any, ...]) -> str:
     spec, tensor_at, consts = context
     return json.dumps([pytree.treespec_dumps(spec), list(tensor_at), repr(consts)])
@@ -84,3 +91,6 @@ def register_tokens(cls: type) -> None:
         from_dumpable_context=_load_context,
         flatten_with_keys_fn=_flatten_tokens_with_keys,
     )
+    # an exported program's module flattens its inputs by torch.fx's own table, which
+    # torch releases before 2.6 do not fill from the pytree registration above
+    fx_pytree.register_pytree_flatten_spec(cls, _flatten_tokens_spec)

@@ -4,10 +4,10 @@ Axis key: ``b`` batch, ``l`` padded length, ``j`` longest real length (``max láµ
 
 ``meta["spans"]`` is ``{name: (start, stop)}``, each bound an int or a (b,) integer tensor
 (per item); :func:`check_spans` is the one reading of it (patterns, ``Tokens.pack``).
-:func:`to_packed` moves the spans and every (b, l) tensor of ``meta`` (``modality_ids``,
-``segments``, the ids of ``P.same``) from padded positions to the left-aligned positions
-that packing keeps (those of ``tokens.pack().unpack()``). It imports nothing of mmattn but
-the checks, so :mod:`mmattn.tokens` can use it.
+:func:`to_packed` moves the spans and every (b, l, ...) tensor of ``meta`` (``modality_ids``,
+``segments``, the ids of ``P.same``, the (b, l, a) ``positions``) from padded positions to the
+left-aligned positions that packing keeps (those of ``tokens.pack().unpack()``). It imports
+nothing of mmattn but the checks, so :mod:`mmattn.tokens` can use it.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def to_packed(meta: dict, mask: Tensor, lengths: Tensor | None = None) -> dict:
 
     After packing, the real tokens of a span are contiguous: span ``(start, stop)`` of item
     ``m`` becomes (real tokens before ``start``, real tokens before ``stop``), as (b,)
-    tensors. A (b, l) tensor becomes (b, j), left-aligned, its tail ``-1`` (signed
+    tensors. A (b, l, ...) tensor becomes (b, j, ...), left-aligned, its tail ``-1`` (signed
     integers) or 0; keys in :data:`NOT_PER_TOKEN` and nested dicts stay as they are.
 
     Shape:
@@ -121,7 +121,7 @@ def to_packed(meta: dict, mask: Tensor, lengths: Tensor | None = None) -> dict:
     batch, length = mask.shape
     moving = [key for key, value in meta.items()
               if key not in NOT_PER_TOKEN and key != "spans" and isinstance(value, Tensor)
-              and value.dim() == 2 and tuple(value.shape) == (batch, length)
+              and value.dim() >= 2 and tuple(value.shape[:2]) == (batch, length)
               and not value.is_nested]
     if meta.get("spans") is None and not moving:
         return meta  # nothing per token: no work, no host read
@@ -141,7 +141,7 @@ def to_packed(meta: dict, mask: Tensor, lengths: Tensor | None = None) -> dict:
     for key in moving:
         value = meta[key]
         signed = is_integer_dtype(value.dtype) and value.dtype != torch.uint8
-        moved = value.new_full((batch, longest), -1 if signed else 0)
+        moved = value.new_full((batch, longest, *value.shape[2:]), -1 if signed else 0)
         moved[kept.to(value.device)] = value[mask.to(value.device)]
         out[key] = moved
     return out

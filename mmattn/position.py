@@ -12,7 +12,8 @@ Five kinds, each a pure function plus a small module:
 - learned, 1D and 2D, the 2D table resampled to other grids with :func:`resample_2d`:
   :class:`LearnedPositionalEmbedding`, :class:`LearnedPositionalEmbedding2d`;
 - rotary (Su et al., RoFormer), "rotate half" layout: :func:`rotary_cos_sin`,
-  :func:`apply_rotary`, :class:`RotaryEmbedding` (defined in :mod:`mmattn.rotary`,
+  :func:`apply_rotary`, :class:`RotaryEmbedding`, and on several axes (Qwen2-VL's M-RoPE)
+  :class:`MultiAxisRotary` with :func:`mrope_positions` (defined in :mod:`mmattn.rotary`,
   re-exported here);
 - Swin's learned relative-position bias table, for windows and neighbourhoods:
   :class:`RelativePositionBias` (defined in :mod:`mmattn.relative_position`).
@@ -48,15 +49,23 @@ from mmattn.relative_position import (
     relative_position_bias,
     relative_position_index,
 )
-from mmattn.rotary import RotaryEmbedding, apply_rotary, rotary_cos_sin
+from mmattn.rotary import (
+    MultiAxisRotary,
+    RotaryEmbedding,
+    apply_rotary,
+    mrope_positions,
+    rotary_cos_sin,
+)
 
 __all__ = [
     "LearnedPositionalEmbedding",
     "LearnedPositionalEmbedding2d",
+    "MultiAxisRotary",
     "RelativePositionBias",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "apply_rotary",
+    "mrope_positions",
     "position_1d",
     "relative_position_bias",
     "relative_position_index",

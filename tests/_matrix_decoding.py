@@ -59,6 +59,17 @@ def rotary_subjects() -> list[Subject]:
             oob=(("offset", lambda kw: -1),),
         ),
         Subject(
+            name="rotary.MultiAxisRotary", build=module(rotary.MultiAxisRotary, e, (1, 1)),
+            inputs=lambda s: {"x": torch.randn(s["b"], s["h"], s["l"], s["e"]),
+                              "positions": torch.randint(0, 9, (s["b"], s["l"], s["a"]))},
+            # positions may be integer or floating (a bool is refused), (l, a) for every item
+            args={"x": _rotary_x(device=True),
+                  "positions": Arg("b l a", kind="index", width="a", ranks=(2,),
+                                   bad_dtypes=(torch.bool,))},
+            out="b h l e", real_out=real, empty_ok=("b", "h", "l"),
+            empty_error={"a": "positions", "e": "x"}, sizes={"a": 2},
+        ),
+        Subject(
             name="rotary.apply_rotary", build=lambda: rotary.apply_rotary,
             inputs=lambda s: {"x": torch.randn(s["b"], s["h"], s["l"], s["e"]),
                               **dict(zip(("cos", "sin"), rotary.rotary_cos_sin(

@@ -368,6 +368,18 @@ def _past_lengths(kwargs: dict) -> Tensor:
     return torch.arange(kwargs["waveform"].shape[1]) >= kwargs["lengths"][:, None]
 
 
+def _video_inputs(s: dict) -> dict:
+    b, t = s["b"], s["t"]
+    lengths = torch.tensor([t - 1, t])[:b] if t > 1 else torch.full((b,), t)
+    return {"video": torch.randn(b, s["c"], t, s["y"], s["x"]), "lengths": lengths}
+
+
+def _past_frames(kwargs: dict) -> Tensor:
+    """(b, 1, t, 1, 1), True at the frames past each clip's length."""
+    frames = torch.arange(kwargs["video"].shape[2]) >= kwargs["lengths"][:, None]
+    return frames[:, None, :, None, None]
+
+
 def _adapter_subjects() -> list[Subject]:
     d = SIZES["d"]
     text = module(adapters.TextTokenEmbedder, 20, d, max_len=8)
@@ -402,6 +414,27 @@ def _adapter_subjects() -> list[Subject]:
             args={"images": Arg("b c y x", width="c")},
             out=lambda s: (s["b"], 4, SIZES["d"]), pick=lambda t: t.x,
             empty_ok=("b",), empty_error={"y": "images", "x": "images", "c": "images"},
+        ))
+    for fused in (True, False):
+        def video_patcher(fused=fused):
+            patch = module(adapters.VideoPatcher, d, tubelet=(2, 2, 2), num_frames=4,
+                           img_size=4)()
+            patch.fused = fused
+            return patch
+
+        subjects.append(Subject(
+            name=f"adapters.VideoPatcher[{'fused' if fused else 'linear'}]", build=video_patcher,
+            inputs=_video_inputs,
+            args={"video": Arg("b c t y x", width="c", pad=_past_frames),
+                  "lengths": Arg("b", kind="index")},
+            out=lambda s: (s["b"], 2 * 4, SIZES["d"]), pick=lambda t: t.x,
+            real_out=lambda kw, out: (torch.arange(2).repeat_interleave(4) * 2
+                                      < kw["lengths"][:, None])[..., None],
+            empty_ok=("b",), empty_error={"y": "video", "x": "video", "c": "video",
+                                          "t": "video"},
+            oob=(("lengths", lambda kw: torch.tensor([0, 3])),
+                 ("lengths", lambda kw: torch.tensor([3, kw["video"].shape[2] + 1]))),
+            sizes={"t": 4},
         ))
     for frontend in ("mel", "raw"):
         subjects.append(Subject(
@@ -525,6 +558,8 @@ NOT_IN_MATRIX = {
     "position.position_1d": "a factory of the position subjects (named cases)",
     "rotary.resolve_position": "the position= argument, checked by the attention modules "
                                "(tests/mmattn/test_rotary.py)",
+    "rotary.mrope_positions": "reads a Tokens' spans and grids; its bad inputs are named cases "
+                              "in tests/mmattn/test_mrope.py",
     "registry.build_attention": "a name or factory and sizes "
                                 "(tests/mmattn/attention/test_registry.py)",
     "replace_attention": "takes a model, not tensors (tests/mmattn/integrations/test_torch.py)",

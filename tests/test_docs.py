@@ -29,6 +29,7 @@ PAGES = [
     "debugging.md",
     "adapters/text.md",
     "adapters/image.md",
+    "adapters/video.md",
     "adapters/audio.md",
     "adapters/graph.md",
     "adapters/index.md",

@@ -12,8 +12,9 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the check needs no mor
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The floors and where docs/decisions.md ("Packaging") says why.
-FLOORS = {"torch": "2.5", "torchvision": "0.20", "torchaudio": "2.5",
-          "torch-geometric": "2.5", "einops": "0.7", "timm": "1.0.28"}
+FLOORS = {"torch": "2.5.1", "torchvision": "0.20.1", "torchaudio": "2.5.1",
+          "torch-geometric": "2.5.3", "einops": "0.8.0", "timm": "1.0.28",
+          "transformers": "5.0.0"}
 
 
 def _requirements() -> dict[str, str]:
@@ -50,3 +51,23 @@ def test_no_font_bundle_among_the_dependencies():
     names = set(_requirements())
     assert not {n for n in names if "font" in n}, "viz uses the system's CJK fonts"
     assert "font" not in (ROOT / "constraints.txt").read_text().lower()
+
+
+def test_the_floor_venv_installs_exactly_the_declared_floors():
+    """make test-floor pins what pyproject declares (tools/floors.py), so they cannot drift."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import floors as tool
+    finally:
+        sys.path.pop(0)
+    pins = dict(line.split("==") for line in tool.floors(["vision", "audio", "graph", "timm",
+                                                           "hf"]))
+    for name, floor in FLOORS.items():
+        assert pins[name] == floor, name
+    assert tool.tool_pins(["pytest"]) == [
+        line for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line.startswith("pytest==")]
+    with pytest.raises(ValueError, match="without a floor"):
+        tool.floors([], {"name": "x", "dependencies": ["torch"], "optional-dependencies": {}})

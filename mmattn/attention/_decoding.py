@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from mmattn._chunk_cache import check_no_look_ahead
 from mmattn._helpers import default
 from mmattn.attention._modifiers import ring_positions, step_modifiers
+from mmattn.attention._positions import rotate
 from mmattn.cache import ChunkCache, ContextCache, KVCache, LocalKVCache, check_cache_call
 from mmattn.kernels.modifiers import Modifiers
 from mmattn.masks import merge_masks
@@ -48,11 +49,14 @@ def cached_step(
     key_padding_mask: Tensor | None,
     dropout_p: float,
     need_weights: bool,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """One decoding step: new keys at ``offset = len(cache)``, then attend the cache.
+    """One decoding step: new keys at ``offset = len(cache)`` (or at the new tokens' own
+    ``positions``), then attend the cache.
 
     Shape:
         - q: (b, h, i, e); key: (b, i, kdim); value: (b, i, vdim)
+        - positions: (b, i) or (b, i, a), checked
         - returns: (b, h, i, e) and weights (b, h, i, j), or None
     """
     cache.check_batch("query", q.shape[0])
@@ -71,8 +75,7 @@ def cached_step(
     else:
         k, v = module._project_kv(key, value)
         if module.position is not None:
-            offset = cache.offset
-            q, k = module.position(q, offset), module.position(k, offset)
+            q, k = rotate(module, q, k, cache.offset if positions is None else positions)
         ring = ring_positions(cache)
         padding = (key_padding_mask,) if isinstance(cache, ChunkCache) else ()
         k, v, mask = cache.update(k, v, *padding)

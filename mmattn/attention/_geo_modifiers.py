@@ -34,6 +34,13 @@ def init_position_bias(
         TypeError: neither a bool nor a RelativePositionBias.
         ValueError: a table for another window than ``kernel_size``, or other heads.
     """
+    wanted = relative_position_bias is True or isinstance(
+        relative_position_bias, RelativePositionBias)
+    if wanted and len(module.kernel_size) != 2:
+        raise ValueError(
+            f"relative_position_bias (NAT's table) needs a 2-D kernel_size (kh, kw), got "
+            f"{module.kernel_size}; use alibi=True for 1-D and 3-D grids"
+        )
     if isinstance(relative_position_bias, RelativePositionBias):
         check_table(module, relative_position_bias)
         module.relative_position_bias = relative_position_bias

@@ -30,7 +30,14 @@ def undrawn_linear(
     which a ``with torch.device(...)`` block sets); the values are whatever memory held.
     """
     layer = nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
-    return layer.to_empty(device=torch.get_default_device() if device is None else device)
+    return layer.to_empty(device=default_device() if device is None else device)
+
+
+def default_device() -> torch.device:
+    """Where a factory call without ``device=`` allocates now: ``torch.set_default_device``
+    or an enclosing ``with torch.device(...)`` block (an empty tensor tells, on every torch;
+    torch 2.5's ``torch.get_default_device`` does not see the ``with`` block)."""
+    return torch.empty(0).device
 
 
 def draw_like_torch(module: nn.Module, out_proj: bool = True) -> None:

@@ -352,6 +352,7 @@ class TorchInterop:
             zeros = {"device": weight.device, "dtype": weight.dtype}
             twin.in_proj_bias = nn.Parameter(torch.zeros(3 * self.embed_dim, **zeros), False)
             twin.out_proj.bias = nn.Parameter(torch.zeros(self.embed_dim, **zeros), False)
+        separate_projections(twin)
         # torch.jit.script memoises prepared modules by id(); once the model drops us, a
         # later twin's submodule could reuse our id and be swapped for our twin. So we live
         # as long as the twin does.
@@ -435,6 +436,28 @@ class TorchInterop:
         )
         copy_into_torch(self, module)
         return module.train(self.training)
+
+
+def separate_projections(module: nn.MultiheadAttention) -> None:
+    """Put ``module``'s packed ``in_proj_weight`` into torch's separate layout
+    (``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``), in place.
+
+    torch then projects q, k and v with one ``F.linear`` each, as our three ``nn.Linear``
+    do, where the packed layout makes one (3d, d) product for self-attention and one
+    (2d, d) for a shared key and value: a product over more output columns can round
+    differently on the CPU (another GEMM blocking), and the scripted twin would differ
+    from our eager forward in the last bits. With one product each, and torch's SDPA on the
+    same q, k, v and mask, the twin gives our numbers bit for bit (the separate layout also
+    keeps torch's eval fast path, a kernel of its own, out).
+    """
+    if not module._qkv_same_embed_dim:
+        return
+    packed = module.in_proj_weight
+    for name, part in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"),
+                          packed.detach().chunk(3)):
+        setattr(module, name, nn.Parameter(part.clone(), packed.requires_grad))
+    module.register_parameter("in_proj_weight", None)
+    module._qkv_same_embed_dim = False
 
 
 #: twin -> the module it stands in for under torch.jit.script (see __prepare_scriptable__).

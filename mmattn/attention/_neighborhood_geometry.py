@@ -6,6 +6,7 @@ Every check raises ValueError / TypeError naming the argument, expected vs actua
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mmattn._masks_grid import grid_window, window_axes  # noqa: F401 (the layer's)
 from mmattn.kernels._inputs import (  # noqa: F401 (the layer's checks are the kernel's)
     check_exportable,
     check_geometry,
@@ -20,7 +22,7 @@ from mmattn.kernels._inputs import (  # noqa: F401 (the layer's checks are the k
 )
 from mmattn.masks import neighborhood_mask
 
-PROVIDER = "adapters.ImagePatcher sets it"
+PROVIDER = "adapters.ImagePatcher sets it, VideoPatcher a (frames, rows, cols) one"
 
 
 def grid_from_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -57,9 +59,18 @@ def grid_from_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
+def call_window(
+    module: Any, grid: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
+    """The per-axis window of ``module`` (a NeighborhoodAttention) on a call's ``grid``."""
+    return grid_window(getattr(module, "_axes", None), module.kernel_size, module.dilation,
+                       module.causal, grid)
+
+
 def dense_allowed(
-    grid: Any, grid_start: Any, batch: int, length: int, kernel: tuple[int, int],
-    dilation: tuple[int, int], num_global_tokens: int, device: torch.device,
+    grid: Any, grid_start: Any, batch: int, length: int, kernel: tuple[int, ...],
+    dilation: tuple[int, ...], causal: tuple[bool, ...], num_global_tokens: int,
+    device: torch.device,
 ) -> Tensor:
     """(b, 1, l, l) bool "may attend" of a padded batch: the O(l²) pattern, for the dense
     fallback with an ``attn_mask``."""
@@ -68,12 +79,12 @@ def dense_allowed(
         num_global_tokens if grid_start is None else grid_start
     ] * batch
     out = torch.zeros(batch, 1, length, length, dtype=torch.bool, device=device)
-    for m, ((rows, cols), start) in enumerate(zip(grids, starts)):
-        stop = start + rows * cols
+    for m, (shape, start) in enumerate(zip(grids, starts)):
+        stop = start + math.prod(shape)
         live = length if grid_start is not None else stop
         out[m, 0, :live, :live] = True  # global rows and columns see everything live
         out[m, 0, start:stop, start:stop] = neighborhood_mask(
-            (rows, cols), kernel, dilation=dilation, device=device
+            shape, kernel, dilation=dilation, causal=causal, device=device
         )
     return out
 

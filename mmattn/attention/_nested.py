@@ -22,6 +22,7 @@ def nested_forward(
     attn_mask: Tensor | None,
     average_attn_weights: bool,
     is_causal: bool,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``module.forward`` on nested (B, j*, D) tensors: pad, attend with a key padding mask,
     and return a nested output of the query's layout and lengths.
@@ -63,11 +64,12 @@ def nested_forward(
         )
     if k_lens != v_lens:
         raise ValueError(f"key and value must have the same lengths, got {k_lens} and {v_lens}")
-    positions = torch.arange(k.shape[1], device=k.device)
-    key_padding = positions >= torch.tensor(k_lens, device=k.device)[:, None]  # (b, j)
+    slots = torch.arange(k.shape[1], device=k.device)
+    key_padding = slots >= torch.tensor(k_lens, device=k.device)[:, None]  # (b, j)
     out, weights = module.forward(  # not module(...): the hooks already ran for this call
         q, k, v, key_padding_mask=key_padding, need_weights=need_weights,
         average_attn_weights=average_attn_weights, is_causal=is_causal,
+        **({} if positions is None else {"positions": positions}),  # (b, max l[, a]) padded
     )
     if weights is not None:
         rows = torch.arange(q.shape[1], device=q.device)

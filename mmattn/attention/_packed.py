@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from mmattn.attention._appended import extra_keys, num_extra_keys
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention._packed_checks import check_attn_mask, check_packed, check_values
+from mmattn.attention._positions import check_packed_positions
 from mmattn.kernels import _routes
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels.dense import report_facts
@@ -43,6 +44,7 @@ def packed_forward(
     attn_mask: Tensor | None,
     average_attn_weights: bool,
     is_causal: bool,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor] | None]:
     """Attention on packed (jagged) input; see ``MultiHeadAttention.forward``.
 
@@ -51,6 +53,7 @@ def packed_forward(
           value with the same offsets
         - attn_mask: (max i, max j) or (b · h, max i, max j), applied to each item's top-left
           corner as it would be to the padded batch
+        - positions: (b, max i, a) or (b, max i): item m's first i_m rows (query = key)
         - returns: (b, i*, embed_dim) jagged with the query's offsets, and when
           ``need_weights`` a list of b tensors (i_m, j_m), or (h, i_m, j_m) per head
     """
@@ -66,7 +69,7 @@ def packed_forward(
     out, weights = attend_values(
         module, qv, q_off, kv, k_off, vv, need_weights=need_weights, attn_mask=attn_mask,
         average_attn_weights=average_attn_weights, is_causal=is_causal,
-        self_attention=query is key and key is value,
+        self_attention=query is key and key is value, positions=positions,
     )
     return jagged(out, q_off), weights
 
@@ -85,11 +88,13 @@ def attend_values(
     average_attn_weights: bool = True,
     is_causal: bool = False,
     self_attention: bool = False,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor] | None]:
     """:func:`packed_forward` on the packed rows themselves (no nested tensor in or out).
 
     Blocks call this directly: wrapping and unwrapping jagged tensors costs more than a
-    small attention call. ``self_attention`` says that q, k and v are the same rows.
+    small attention call. ``self_attention`` says that q, k and v are the same rows;
+    ``positions`` (b, max lᵢ[, a]) are the rows' own (``Tokens.meta["positions"]``).
 
     Shape:
         - qv: (t_q, embed_dim); kv: (t_k, kdim); vv: (t_k, vdim); offsets (b + 1,)
@@ -100,12 +105,13 @@ def attend_values(
     k_lens = q_lens if self_attention else k_off.diff().tolist()
     module._check_lengths(q_lens, k_lens, is_causal=is_causal, attn_mask=attn_mask)
     attn_mask = check_attn_mask(module, attn_mask, q_lens, k_lens, qv)
+    pos_rows = check_packed_positions(module, positions, q_lens, qv, k_lens)  # (t[, a])
     e = module.head_dim
     dropout_p = module.dropout if module.training else 0.0
     extra = num_extra_keys(module)
     groups = module.num_heads // module.num_kv_heads
     # The position module on q and k after the head split (``position(x, offset)``, x (b, h,
-    # l, e)): per bucket each item starts at position 0.
+    # l, e)): per bucket each item starts at position 0, or sits at its rows' positions.
     position = module.position
     direct = module._plain_attention() and _kernel.use_fused_attn()
     # score modifiers run in the module's own hook (each item's positions start at 0)
@@ -155,6 +161,9 @@ def attend_values(
         v_rows = k_rows if kv is vv else vv.index_select(0, plan_of.k_index)
     q_sizes = [len(b.items) * b.q_len for b in buckets]
     k_sizes = [len(b.items) * b.k_len for b in buckets]
+    if pos_rows is not None:  # the rows' positions, gathered as the rows are
+        q_pos = pos_rows.index_select(0, plan_of.q_index).split(q_sizes)
+        k_pos = pos_rows.index_select(0, plan_of.k_index).split(k_sizes)
     qs = module.q_proj(q_rows).split(q_sizes)
     ks = module.k_proj(k_rows).split(k_sizes)
     vs = module.v_proj(v_rows).split(k_sizes)
@@ -166,7 +175,10 @@ def attend_values(
         qb = rearrange(qs[index], "(n i) (h e) -> n h i e", n=n, e=e)
         kb = rearrange(ks[index], "(n j) (k e) -> n k j e", n=n, e=e)
         vb = rearrange(vs[index], "(n j) (k e) -> n k j e", n=n, e=e)
-        if position is not None:
+        if pos_rows is not None:
+            qb = position(qb, rearrange(q_pos[index], "(n i) ... -> n i ...", n=n))
+            kb = position(kb, rearrange(k_pos[index], "(n j) ... -> n j ...", n=n))
+        elif position is not None:
             qb, kb = position(qb, 0), position(kb, 0)
         mask = plan_of.key_masks[index]
         causal = is_causal

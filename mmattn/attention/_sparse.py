@@ -27,6 +27,7 @@ from mmattn._helpers import exporting
 from mmattn.attention._appended import num_extra_keys
 from mmattn.attention._inputs import from_batch_first, to_batch_first
 from mmattn.attention._modifiers import score_modifiers
+from mmattn.attention._positions import check_positions, rotate
 from mmattn.kernels import _routes, block_sparse, dense
 from mmattn.kernels.packed import is_jagged
 from mmattn.patterns import SparseMask
@@ -100,6 +101,7 @@ def sparse_forward(
     average_attn_weights: bool,
     is_causal: bool,
     cache: Any = None,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``module.forward`` with ``attn_mask`` a SparseMask (see the module docstring)."""
     _check_call(module, query, key, value, attn_mask, cache)
@@ -119,10 +121,12 @@ def sparse_forward(
             f"attn_mask: the SparseMask is on device {attn_mask.device} but query is on "
             f"{query.device}; use mask.to(device)"
         )
+    positions = check_positions(
+        module, positions, batch if batched else None, length, query
+    )
     q = rearrange(module.q_proj(query), "b l (h e) -> b h l e", h=module.num_heads)
     k, v = module._project_kv(query, query)
-    if module.position is not None:
-        q, k = module.position(q, 0), module.position(k, 0)
+    q, k = rotate(module, q, k, 0 if positions is None else positions)
     key_mask = None
     if key_padding_mask is not None:
         key_mask = ~key_padding_mask if key_padding_mask.dtype == torch.bool else (

@@ -132,11 +132,13 @@ class CrossAttention(MultiHeadAttention):
         is_causal: bool = False,
         *,
         cache: ContextCache | None = None,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend ``query`` over the context ``key`` (required) and ``value``."""
+        """Attend ``query`` over the context ``key`` (required) and ``value``; ``positions``
+        raises a ValueError naming it (cross-attention has no position module)."""
         if key is None:
             raise TypeError("CrossAttention.forward requires key (the context sequence), got None")
         return super().forward(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
-            is_causal, cache=cache,
+            is_causal, cache=cache, positions=positions,
         )

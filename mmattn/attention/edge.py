@@ -24,6 +24,7 @@ from mmattn._helpers import default, exporting
 from mmattn.attention import _edges
 from mmattn.attention._fx import fx_leaf
 from mmattn.attention._modifiers import score_modifiers
+from mmattn.attention._positions import refuse_positions
 from mmattn.attention._sparse import reject_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.kernels._segment import attend_sorted
@@ -185,16 +186,19 @@ class EdgeAttention(MultiHeadAttention):
         *,
         edge_index: Tensor,
         edge_bias: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | list[Tensor] | None]:
-        """Attend along ``edge_index``; see the class docstring for shapes."""
+        """Attend along ``edge_index``; see the class docstring for shapes. ``positions``
+        raises a ValueError naming it: graph nodes have no order, so no position module."""
         traced = fx_leaf(self, (query,), {
             "key": key, "value": value, "key_padding_mask": key_padding_mask,
             "need_weights": need_weights, "attn_mask": attn_mask,
             "average_attn_weights": average_attn_weights, "is_causal": is_causal,
-            "edge_index": edge_index, "edge_bias": edge_bias,
+            "edge_index": edge_index, "edge_bias": edge_bias, "positions": positions,
         })
         if traced is not None:  # torch.fx: one call_module node (see attention/_fx.py)
             return traced
+        refuse_positions(self, positions)
         if exporting():
             raise NotImplementedError(
                 "EdgeAttention does not export: its edge set (duplicates merged, padded "
@@ -269,6 +273,7 @@ class EdgeAttention(MultiHeadAttention):
             - returns: (t_q, embed_dim)
         """
         _check_no_mask(kwargs.pop("attn_mask", None), kwargs.pop("is_causal", False))
+        refuse_positions(self, kwargs.pop("positions", None))
         if "edge_index" not in kwargs:
             raise ValueError(f"edge_index must be given to EdgeAttention; {_edges.PROVIDER}")
         unknown = sorted(set(kwargs) - {"edge_index", "edge_bias"})

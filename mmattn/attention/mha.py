@@ -35,6 +35,7 @@ from mmattn.attention._interop import TorchInterop
 from mmattn.attention._modifiers import init_modifiers, modifier_repr, score_modifiers
 from mmattn.attention._nested import nested_forward
 from mmattn.attention._packed import attend_values, packed_forward
+from mmattn.attention._positions import check_positions, positions_from_meta, rotate
 from mmattn.attention._sparse import is_sparse_mask, sparse_forward
 from mmattn.cache import ChunkCache, ContextCache, KVCache, LocalKVCache
 from mmattn.kernels.dense import attend
@@ -80,9 +81,11 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
             ``num_heads``; 1 = multi-query; default ``num_heads``). ``k_proj``/``v_proj``
             output ``num_kv_heads * head_dim``; K/V are never repeated per query head.
         position: applied to q and k after the head split as ``position(x, offset)``
-            (``offset`` = tokens already cached, else 0): a module such as
-            :class:`~mmattn.rotary.RotaryEmbedding`, or ``"rotary"`` to build one of the
-            head width (which must then be even).
+            (``offset`` = tokens already cached, else 0), or ``position(x, positions)``
+            when ``forward`` gets per-token ``positions``: a module such as
+            :class:`~mmattn.rotary.RotaryEmbedding` or
+            :class:`~mmattn.rotary.MultiAxisRotary`, or ``"rotary"`` to build a
+            RotaryEmbedding of the head width (which must then be even).
         sinks, softcap, alibi: score modifiers: a learned sink logit per head (parameter
             ``sinks``), scores ``softcap·tanh(s/softcap)``, ALiBi's ``-slope_h·|i - j|``
             (docs/variants.md, "Score modifiers").
@@ -91,9 +94,18 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
     ``forward(x_step, is_causal=True, cache=cache)`` append this call's keys and values and
     attend everything cached so far (see :mod:`mmattn.cache`).
 
+    Positions: ``forward(..., positions=)`` rotates the queries and keys at per-token
+    positions instead of 0, 1, 2, ...: (B, L, A) for a multi-axis module
+    (:class:`~mmattn.rotary.MultiAxisRotary`, e.g. from
+    :func:`~mmattn.rotary.mrope_positions`), (B, L) for a 1-D rotary module. They are the
+    tokens' own, so key and query are the same tokens (self-attention, or one decoding step
+    with a cache: the new tokens' positions). Blocks pass ``Tokens.meta["positions"]``.
+
     Shape:
         - query: (B, L, D), or (L, D) unbatched, or (L, B, D) with ``batch_first=False``
         - key: (B, S, kdim); value: (B, S, vdim)
+        - positions: (B, L, A) or (B, L), batch-first in every layout ((L, A) / (L,)
+          unbatched; (B, max lᵢ, A) for packed input), integer or floating
         - key_padding_mask: (B, S) bool or float, or (S,) unbatched
         - attn_mask: (L, S) or (B * H, L, S) bool or float, or (H, L, S) unbatched
         - returns: output (B, L, D) in the input layout, and weights (B, L, S) averaged over
@@ -252,14 +264,15 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
     # ------------------------------------------------------------------ what blocks ask
 
     def geometry(self, meta: Mapping[str, Any]) -> dict[str, Any]:
-        """The forward keywords this layer takes from ``Tokens.meta`` (none for this class).
+        """The forward keywords this layer takes from ``Tokens.meta``: ``positions`` when it
+        has a ``position`` module and ``meta["positions"]`` exists, else none.
 
         Blocks call it with their input's ``meta`` and pass the result to ``forward`` (and to
-        :meth:`attend_rows`), so a layer that needs geometry (an image grid, a graph's edges)
-        gets it without the user doing anything. A layer that needs a key raises a
-        ValueError naming it when ``meta`` lacks it.
+        :meth:`attend_rows`), so a layer that needs geometry (an image grid, a graph's edges,
+        the tokens' positions) gets it without the user doing anything. A layer that needs a
+        key raises a ValueError naming it when ``meta`` lacks it.
         """
-        return {}
+        return positions_from_meta(self, meta)
 
     def attend_rows(
         self,
@@ -300,36 +313,39 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         is_causal: bool = False,
         *,
         cache: KVCache | LocalKVCache | ContextCache | ChunkCache | None = None,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend ``query`` over ``key``/``value``; see the class docstring for shapes.
 
         With ``cache`` (from :meth:`make_cache`) the call is one decoding step: its keys and
-        values are appended to the cache and the queries attend everything cached.
+        values are appended to the cache and the queries attend everything cached. With
+        ``positions`` the ``position`` module rotates each token at its own position.
         """
         traced = fx_leaf(self, (query,), {
             "key": key, "value": value, "key_padding_mask": key_padding_mask,
             "need_weights": need_weights, "attn_mask": attn_mask,
             "average_attn_weights": average_attn_weights, "is_causal": is_causal, "cache": cache,
+            "positions": positions,
         })
         if traced is not None:  # torch.fx: one call_module node, as for torch.nn's modules
             return traced
         if is_sparse_mask(attn_mask):  # a compiled pattern, block-sparse: attention/_sparse.py
             return sparse_forward(self, query, key, value, key_padding_mask, need_weights,
-                                  attn_mask, average_attn_weights, is_causal, cache)
+                                  attn_mask, average_attn_weights, is_causal, cache, positions)
         if is_jagged(query) or is_jagged(key) or is_jagged(value):  # packed: mmattn/_packed*
             if cache is not None:
                 raise ValueError("cache= does not take packed (jagged) input; decode padded")
             key = default(key, query)
             return packed_forward(
                 self, query, key, default(value, key), key_padding_mask, need_weights,
-                attn_mask, average_attn_weights, is_causal,
+                attn_mask, average_attn_weights, is_causal, positions,
             )
         if isinstance(query, Tensor) and query.is_nested:
             if cache is not None:
                 raise ValueError("cache= does not take nested (jagged) input; decode padded")
             return nested_forward(
                 self, query, key, value, key_padding_mask, need_weights, attn_mask,
-                average_attn_weights, is_causal,
+                average_attn_weights, is_causal, positions,
             )
         key = default(key, query)
         value = default(value, key)
@@ -339,16 +355,21 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         query, key, value, key_padding_mask = to_batch_first(
             self, batched, query, key, value, key_padding_mask
         )
+        positions = check_positions(
+            self, positions, query.shape[0] if batched else None, query.shape[1], query,
+            key_length=key.shape[1],
+        )
 
         q = split_heads(self.q_proj(query), self.num_heads)
         dropout_p = self.dropout if self.training else 0.0
         if cache is None:
             out, weights = self._uncached(
-                q, key, value, key_padding_mask, attn_mask, is_causal, dropout_p, need_weights
+                q, key, value, key_padding_mask, attn_mask, is_causal, dropout_p, need_weights,
+                positions,
             )
         else:
             out, weights = cached_step(
-                self, q, key, value, cache, key_padding_mask, dropout_p, need_weights
+                self, q, key, value, cache, key_padding_mask, dropout_p, need_weights, positions
             )
         out = self.out_proj(merge_heads(out))
         return from_batch_first(self, batched, out, weights, average_attn_weights)
@@ -369,11 +390,12 @@ class MultiHeadAttention(TorchInterop, Decoding, nn.MultiheadAttention):
         is_causal: bool,
         dropout_p: float,
         need_weights: bool,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """One whole-sequence call: positions from 0, appended keys, merged mask, the hook."""
+        """One whole-sequence call: positions from 0 (or the call's ``positions``), appended
+        keys, merged mask, the hook."""
         k, v = self._project_kv(key, value)
-        if self.position is not None:
-            q, k = self.position(q, 0), self.position(k, 0)
+        q, k = rotate(self, q, k, default(positions, 0))
         k, v, key_padding_mask, attn_mask, is_causal = append_keys(
             self, q, k, v, key_padding_mask, attn_mask, is_causal
         )

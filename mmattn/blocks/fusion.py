@@ -18,12 +18,12 @@ Data flow::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from einops import repeat
-from torch import nn
+from torch import Tensor, nn
 
 from mmattn import _checks as checks
 from mmattn.blocks._geometry import fused_edges
@@ -36,7 +36,7 @@ from mmattn.tokens import RESERVED_NAMES, Tokens
 
 #: meta keys the encoder writes itself; no modality may be named so.
 RESERVED_MODALITIES = (
-    *RESERVED_NAMES, "modalities", "fusion", "context", "edge_index", "edge_bias"
+    *RESERVED_NAMES, "modalities", "fusion", "context", "edge_index", "edge_bias", "positions"
 )
 
 __all__ = ["MultiModalEncoder"]
@@ -87,6 +87,10 @@ class MultiModalEncoder(nn.Module):
             forward on the fused Tokens, whose meta holds the spans, each modality's grid
             and the fused ``edge_index``: e.g. ``P.per_modality(within={"text": P.causal(),
             "image": P.neighborhood(7), "graph": P.edges()}, across=P.full())``.
+        positions: a function of the fused Tokens giving their ``meta["positions"]``, e.g.
+            :func:`mmattn.rotary.mrope_positions` (time, row, column per token) for
+            ``attention_kwargs={"position": MultiAxisRotary(head_dim, sections)}``; the
+            blocks hand them to their attention ("concat"). None: no positions.
         device, dtype: factory arguments for the encoder's own parameters (adapters keep
             theirs).
 
@@ -101,9 +105,9 @@ class MultiModalEncoder(nn.Module):
         TypeError: ``adapters`` or ``inputs`` is not a mapping; an adapter is not a module
             or does not return Tokens.
         ValueError: no adapters or inputs; an unknown modality name, or a reserved one
-            ("spans", "modalities", "fusion", "context", "edge_index", "edge_bias": the meta
-            keys the encoder writes); a part's ``meta["edge_bias"]`` that does not fit its
-            edges;
+            ("spans", "modalities", "fusion", "context", "edge_index", "edge_bias",
+            "positions": the meta keys the encoder writes); a part's ``meta["edge_bias"]``
+            that does not fit its edges;
             an adapter of another width; modalities with different batch sizes; unknown
             ``fusion``; ``pattern`` with ``fusion="latent"``.
 
@@ -133,8 +137,15 @@ class MultiModalEncoder(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         pattern: Pattern | None = None,
+        positions: Callable[[Tokens], Tensor] | None = None,
     ) -> None:
         super().__init__()
+        if positions is not None and not callable(positions):
+            raise TypeError(
+                "positions must be a function of the fused Tokens (e.g. "
+                f"mmattn.rotary.mrope_positions) or None, got {type(positions).__name__}"
+            )
+        self.positions = positions
         if not isinstance(adapters, Mapping):
             raise TypeError(
                 f"adapters must be a mapping {{name: adapter}}, got {type(adapters).__name__}"
@@ -267,6 +278,8 @@ class MultiModalEncoder(nn.Module):
             fused.meta["edge_index"] = edges
         if bias is not None:
             fused.meta["edge_bias"] = bias
+        if self.positions is not None:  # e.g. mrope_positions: read by the blocks' attention
+            fused.meta["positions"] = self.positions(fused)
         if fused.is_packed:
             return fused
         return fused.replace(fused.zero_padding())

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mmattn.kernels.modifiers import FLASH, FLASH_BACKWARD, join_sink, sink_grad
+from mmattn.kernels.modifiers import FLASH, FLASH_BACKWARD, join_sink, repeat_kv, sink_grad
 
 #: A rectangle is worth a call of its own from this many tiles and query tiles on.
 RECT_TILES, RECT_ROWS = 32, 2
@@ -149,8 +149,8 @@ class TileAttention(torch.autograd.Function):
             tiles_lse.index_copy_(0, bucket.q_tiles, l_.transpose(1, 2).to(acc))
         for r in rects:  # merged into their rows, which are contiguous
             o, l_ = FLASH(_heads(q2[r.q0:r.q1], heads),
-                           *_repeat(_heads(k2[r.k0:r.k1], kv_heads),
-                                    _heads(v2[r.k0:r.k1], kv_heads), groups),
+                           *repeat_kv(_heads(k2[r.k0:r.k1], kv_heads),
+                                      _heads(v2[r.k0:r.k1], kv_heads), groups),
                            0.0, False, scale=scale)
             merge_into(out[r.q0:r.q1], lse[r.q0:r.q1], o[0].transpose(0, 1), l_[0].T)
         if sinks is not None:  # rows without keys: exp(-inf) = 0, they stay zero
@@ -176,8 +176,8 @@ class TileAttention(torch.autograd.Function):
         out2 = out.view(q2.shape[0], -1)
         dq, dk, dv = torch.zeros_like(q2), torch.zeros_like(k2), torch.zeros_like(v2)
         for r in ctx.rects:
-            kr, vr = _repeat(_heads(k2[r.k0:r.k1], kv_heads), _heads(v2[r.k0:r.k1], kv_heads),
-                             groups)
+            kr, vr = repeat_kv(_heads(k2[r.k0:r.k1], kv_heads),
+                               _heads(v2[r.k0:r.k1], kv_heads), groups)
             gq, gk, gv = FLASH_BACKWARD(
                 _heads(grad[r.q0:r.q1], heads), _heads(q2[r.q0:r.q1], heads), kr,
                 vr, _heads(out2[r.q0:r.q1], heads), lse[r.q0:r.q1].T[None].contiguous(), 0.0,
@@ -209,13 +209,6 @@ def _scatter(target: Tensor, tiles: Tensor, x: Tensor, block: int) -> None:
     target.view(-1, block * target.shape[1]).index_add_(0, tiles, rows)
 
 
-def _repeat(k: Tensor, v: Tensor, groups: int) -> tuple[Tensor, Tensor]:
-    """torch's CPU flash kernel has no grouped heads: repeat the key heads."""
-    if groups == 1:
-        return k, v
-    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-
-
 def _fold(g: Tensor, kv_heads: int, groups: int) -> Tensor:
     """Sum the gradients of the g query heads that share a key head."""
     return g if groups == 1 else g.unflatten(1, (kv_heads, groups)).sum(2)
@@ -226,4 +219,4 @@ def _gather_bucket(bucket, q2, k2, v2, heads, kv_heads, groups, workspace):
     qb = _gather(bucket.q_tiles, q2, tiles, heads, block, workspace, "q")
     kb = _gather(bucket.k_tiles, k2, tiles, kv_heads, block, workspace, "k")
     vb = _gather(bucket.k_tiles, v2, tiles, kv_heads, block, workspace, "v")
-    return (qb, *_repeat(kb, vb, groups))
+    return (qb, *repeat_kv(kb, vb, groups))

@@ -8,17 +8,22 @@ devices cost O(1); ids and offsets are read once (O(E) or O(b)), as
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
 from mmattn import _checks as checks
+from mmattn._masks_grid import check_window
 from mmattn.kernels._neighborhood_plan import Item
 from mmattn.kernels.modifiers import Modifiers
 
 #: Who provides a grid, for the messages.
-PROVIDER = "adapters.ImagePatcher sets it"
+PROVIDER = "adapters.ImagePatcher / VideoPatcher set it"
+
+#: The names of a grid's sides, by their number (for the messages).
+_SIDE_NAMES = {1: ("length",), 2: ("rows", "cols"), 3: ("frames", "rows", "cols")}
 
 
 def check_heads(q: object, k: object, v: object, layout: str) -> None:
@@ -78,14 +83,15 @@ def check_key_mask(key_mask: object, shape: tuple, like: Tensor, layout: str) ->
 
 
 def check_modifiers(
-    modifiers: object, table: object, heads: int, kernel: tuple[int, int], like: Tensor
+    modifiers: object, table: object, heads: int, kernel: tuple[int, ...], like: Tensor
 ) -> None:
     """None or a :class:`~mmattn.kernels.modifiers.Modifiers` whose sinks / slopes are (h,);
-    ``table`` None or a floating ((2 kh − 1)(2 kw − 1), h) tensor, both on ``like``'s device.
+    ``table`` None or a floating ((2 kh − 1)(2 kw − 1), h) tensor for a 2-D ``kernel``, both
+    on ``like``'s device.
 
     Raises:
         TypeError: another type, an integer table.
-        ValueError: another shape or device.
+        ValueError: another shape or device; a table for a grid that is not 2-D.
     """
     if modifiers is not None:
         if not isinstance(modifiers, Modifiers):
@@ -100,6 +106,11 @@ def check_modifiers(
                 checks.check_shape(f"modifiers.{name}", value, (heads,), "(h,)")
                 checks.check_same_device(f"modifiers.{name}", value, "q", like)
     if table is not None:
+        if len(kernel) != 2:
+            raise ValueError(
+                f"table (NAT's relative-position bias) needs a 2-D grid, got a kernel of "
+                f"{len(kernel)} axes {kernel}; use alibi=True for 1-D and 3-D grids"
+            )
         checks.check_tensor("table", table)
         if not table.is_floating_point():
             raise TypeError(f"table must be a floating tensor, got {table.dtype}")
@@ -117,7 +128,7 @@ def check_options(dropout_p: object, scale: object, need_weights: object) -> Non
 
 
 def is_grid_list(grid: object) -> bool:
-    """True for a list of per-item (rows, cols) pairs, False for one pair."""
+    """True for a list of per-item grids (tuples of sides), False for one grid."""
     if isinstance(grid, Tensor):
         return grid.dim() == 2
     return (
@@ -133,24 +144,32 @@ def check_geometry(
     num_global_tokens: int,
     *,
     packed: bool,
-) -> tuple[tuple[int, int] | list[tuple[int, int]], int | list[int] | None]:
+) -> tuple[tuple[int, ...] | list[tuple[int, ...]], int | list[int] | None]:
     """Normalise ``grid`` / ``grid_start`` for items of ``lengths`` tokens; raise if they
-    do not fit (a padded batch gives every item the padded length)."""
+    do not fit (a padded batch gives every item the padded length). A grid has 1, 2 or 3
+    sides; per-item grids share one number of axes."""
     count = len(lengths)
     if grid is None:
         raise ValueError(
-            f"grid must be given: (rows, cols) of the image patches, or a list of one per "
-            f"item; Tokens.meta['grid'] holds it ({PROVIDER})"
+            f"grid must be given: (rows, cols) of the image patches ((frames, rows, cols) of "
+            f"a video), or a list of one per item; Tokens.meta['grid'] holds it ({PROVIDER})"
         )
     if is_grid_list(grid):
-        grids = [checks.check_grid(f"grid[{m}]", g) for m, g in enumerate(grid)]
+        grids = [checks.check_grid(f"grid[{m}]", g, checks.GRID_AXES)
+                 for m, g in enumerate(grid)]
         if len(grids) != count:
             raise ValueError(
                 f"grid must hold one (rows, cols) per item: expected {count}, got {len(grids)}"
             )
+        for m, g in enumerate(grids):
+            if len(g) != len(grids[0]):
+                raise ValueError(
+                    f"grid must hold grids of one number of axes: grid[0] is {grids[0]}, "
+                    f"grid[{m}] is {g}"
+                )
         out: Any = grids
     else:
-        out = checks.check_grid("grid", grid)
+        out = checks.check_grid("grid", grid, checks.GRID_AXES)
         grids = [out] * count
     starts: list[int]
     if grid_start is None:
@@ -169,17 +188,19 @@ def check_geometry(
             starts = [checks.check_positive_int("grid_start", grid_start, minimum=0)] * count
         grid_start = starts if isinstance(grid_start, Sequence) else starts[0]
     exact = grid_start is None and (packed or not isinstance(out, list))
-    for m, ((rows, cols), start, length) in enumerate(zip(grids, starts, lengths)):
-        need = start + rows * cols
+    for m, (shape, start, length) in enumerate(zip(grids, starts, lengths)):
+        cells = math.prod(shape)
+        need = start + cells
         if (exact and need != length) or need > length:
             item = f" of item {m}" if isinstance(out, list) else ""
             where = (
                 f"{num_global_tokens} global tokens + " if grid_start is None
                 else f"grid_start {start} + "
             )
+            product = " * ".join(_SIDE_NAMES.get(len(shape), ()))
             raise ValueError(
-                f"grid {(rows, cols)}{item} has rows * cols = {rows * cols} tokens, so the "
-                f"sequence must have {where}{rows * cols} = {need} tokens"
+                f"grid {shape}{item} has {product} = {cells} tokens, so the "
+                f"sequence must have {where}{cells} = {need} tokens"
                 f"{'' if exact else ' or more'}, got {length}"
             )
     return out, grid_start
@@ -197,35 +218,38 @@ def check_exportable(grid: object, grid_start: object, length: object) -> None:
         )
     if is_grid_list(grid) or isinstance(grid_start, (Sequence, Tensor)):
         raise NotImplementedError(
-            "NeighborhoodAttention exports with a dynamic batch only for one grid (rows, cols) "
-            "and one int grid_start for every item; per-item grids do not export"
+            "NeighborhoodAttention exports with a dynamic batch only for one grid (e.g. "
+            "(rows, cols)) and one int grid_start for every item; per-item grids do not export"
         )
 
 
 def check_items(
-    total: object, items: object, kernel: object, dilation: object, tiles: object
-) -> tuple[tuple, tuple[int, int], tuple[int, int], tuple[int, int]]:
+    total: object, items: object, kernel: object, dilation: object, tiles: object,
+    causal: object = False,
+) -> tuple[tuple, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
     """Items of a neighbourhood plan: each grid fits its rows, items in order inside
-    ``[0, total)``, never overlapping; an odd kernel, dilation and tiles >= 1 (O(b))."""
+    ``[0, total)``, never overlapping, with one number of axes; per axis an odd kernel,
+    dilation and tiles >= 1 and a causal flag (O(b))."""
     total = checks.check_positive_int("total", total, minimum=0)
-    kernel = checks.check_kernel("kernel", kernel)
-    dilation = checks.check_pair("dilation", dilation, what="(rows, cols)")
-    tiles = checks.check_pair("tiles", tiles, what="(rows, cols)")
     if not isinstance(items, (tuple, list)) or not all(isinstance(i, Item) for i in items):
         raise TypeError(
             "items must be a tuple of Item (from padded_items or packed_items), got "
             f"{type(items).__name__}"
         )
+    shape = tuple(items[0].shape) if items else (1,) * (
+        len(kernel) if isinstance(kernel, (tuple, list)) else 2)
+    kernel, dilation, causal = check_window(shape, kernel, dilation, causal)
+    tiles = checks.check_axes("tiles", tiles, len(shape), grid=shape)
     end = 0
     for m, item in enumerate(items):
-        rows, cols = checks.check_grid(f"items[{m}] grid", (item.rows, item.cols))
+        sides = checks.check_grid(f"items[{m}] grid", item.shape, (len(shape),))
         start = checks.check_positive_int(f"items[{m}].start", item.start, minimum=0)
         length = checks.check_positive_int(f"items[{m}].length", item.length, minimum=0)
         offset = checks.check_positive_int(f"items[{m}].offset", item.offset, minimum=0)
-        if start + rows * cols > length:
+        if start + math.prod(sides) > length:
             raise ValueError(
-                f"items[{m}] has a grid {(rows, cols)} starting at {start}: it needs "
-                f"{start + rows * cols} rows, got length {length}"
+                f"items[{m}] has a grid {sides} starting at {start}: it needs "
+                f"{start + math.prod(sides)} rows, got length {length}"
             )
         if offset < end or offset + length > total:
             raise ValueError(
@@ -233,7 +257,7 @@ def check_items(
                 f"[{end}, total={total}) after the items before it"
             )
         end = offset + length
-    return tuple(items), kernel, dilation, tiles
+    return tuple(items), kernel, dilation, tiles, causal
 
 
 def check_attention(q: object, k: object, v: object, mask: object) -> None:

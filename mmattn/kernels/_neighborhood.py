@@ -25,6 +25,12 @@ from torch import Tensor
 
 from mmattn._helpers import exporting
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels._neighborhood_chunks import (
+    gather_tiles,
+    run_chunks,
+    tile_attention,
+    tile_chunks,
+)
 from mmattn.kernels._neighborhood_plan import (
     Item,
     Plan,
@@ -32,11 +38,10 @@ from mmattn.kernels._neighborhood_plan import (
     choose_tiles,
     merge_key_mask,
     shared_plan,
-    tile_mask,
 )
 from mmattn.kernels._neighborhood_terms import softmax_modifiers, tile_terms
 from mmattn.kernels._scores import default_scale
-from mmattn.kernels.modifiers import Modifiers, with_bias
+from mmattn.kernels.modifiers import Modifiers
 
 
 def run_tiles(
@@ -60,46 +65,37 @@ def run_tiles(
     Shape:
         - q: (c, r, h, e); k, v: (c, r, k, e) / (c, r, k, e_v); key_mask: (c, r) bool
           (True = real key) or float (added), or None; table: ((2 kh − 1)(2 kw − 1), h)
+          (a 2-D plan)
         - returns: (c, r, h, e_v), and weights (c, r, h, plan.width) or None
     """
     copies, _, heads, _ = q.shape
     mods = softmax_modifiers(modifiers)  # sinks, softcap: every call; ALiBi: in the term
-    term = tile_terms(plan, modifiers, table, q.dtype)  # (n, h, s, t) or None
-    if term is not None and copies > 1:  # the same term for every copy of the plan
-        term = term.repeat(copies, 1, 1, 1)
     scale = default_scale(q, scale)
     n, slots, keys = plan.tile_shape
-    qz, kz, vz = (F.pad(t, (0, 0, 0, 0, 0, 1)) for t in (q, k, v))  # the zero row at r
     km = None
     if key_mask is not None:
         fill = False if key_mask.dtype == torch.bool else float("-inf")
         km = torch.cat([key_mask, torch.full_like(key_mask[:, :1], fill)], dim=1)
-    qt = rearrange(qz.index_select(1, plan.q_index), "c (n s) h e -> (c n) h s e", n=n)
-    kt = rearrange(kz.index_select(1, plan.k_index), "c (n t) k e -> (c n) k t e", n=n)
-    vt = rearrange(vz.index_select(1, plan.k_index), "c (n t) k e -> (c n) k t e", n=n)
     traced = exporting() or torch.compiler.is_compiling()
-    fused = _kernel.use_fused_attn() and not (mods is not None and mods.explicit)
-    if km is None and not need_weights and not traced and fused:
-        # No key mask: every real query sees itself, every empty slot sees all; no dead row.
-        out_t = _kernel.sdpa(
-            qt, kt, vt, with_bias(tile_mask(plan, qt.dtype, copies), term),
-            dropout_p=dropout_p, scale=scale, groups=qt.shape[1] // kt.shape[1],
-            dead_rows=False, sinks=None if mods is None else mods.sinks,
-        )
-        w_t = None
-    else:
-        km_t = None
-        if km is not None:
-            km_t = rearrange(km.index_select(1, plan.k_index), "c (n t) -> c n 1 t", n=n)
-        mask = merge_key_mask(plan.allowed[None], km_t)  # (c or 1, n, s, t)
-        mask = rearrange(mask.expand(copies, n, slots, keys), "c n s t -> (c n) 1 s t")
-        out_t, w_t = _kernel.attend(
-            qt, kt, vt, with_bias(mask, term), dropout_p=dropout_p, scale=scale,
-            need_weights=need_weights, report_path=False, modifiers=mods,
-        )
-    parts = [rearrange(out_t, "(c n) h s e -> c (n s) h e", n=n)]
-    w_g = None
+    fused = not traced and _kernel.use_fused_attn() and not (mods is not None and mods.explicit)
+    spans = None
+    if not (traced or need_weights or dropout_p):  # a video grid's tiles: in chunks
+        spans = tile_chunks(plan, copies, k.shape[2], k.shape[3] + v.shape[3], q.dtype)
     items, glob = plan.global_shape
+    if spans is None or items * glob:
+        qz, kz, vz = (F.pad(t, (0, 0, 0, 0, 0, 1)) for t in (q, k, v))  # the zero row at r
+    if spans is None:  # every tile in one batched call
+        qt, kt, vt, km_t = gather_tiles(qz, kz, vz, km, plan, 0, n)
+        term = tile_terms(plan, modifiers, table, q.dtype)  # (n, h, s, t) or None
+        out_t, w_t = tile_attention(
+            qt, kt, vt, km_t, 0, n, plan=plan, term=term, mods=mods, dropout_p=dropout_p,
+            scale=scale, need_weights=need_weights, fused=fused)
+        parts = [rearrange(out_t, "(c n) h s e -> c (n s) h e", n=n)]
+    else:  # one chunk of gathered tiles at a time, forward and backward
+        out_t, w_t = None, None
+        parts = [run_chunks(q, k, v, km, spans, plan=plan, modifiers=modifiers, table=table,
+                            scale=scale, fused=fused)]
+    w_g = None
     if items * glob:  # global queries attend every key of their item
         gq = rearrange(qz.index_select(1, plan.gq_index.flatten()),
                        "c (b g) h e -> (c b) h g e", b=items)
@@ -115,7 +111,7 @@ def run_tiles(
             report_path=False, modifiers=mods,
         )
         parts.append(rearrange(out_g, "(c b) h g e -> c (b g) h e", b=items))
-    parts.append(out_t.new_zeros(copies, 1, heads, v.shape[-1]))
+    parts.append(parts[0].new_zeros(copies, 1, heads, v.shape[-1]))
     out = torch.cat(parts, dim=1).index_select(1, plan.pick)
     weights = None
     if need_weights:
@@ -153,10 +149,11 @@ def attend_padded(
     k: Tensor,
     v: Tensor,
     items: tuple[Item, ...],
-    kernel: tuple[int, int],
-    dilation: tuple[int, int],
-    tiles: tuple[int, int] | None,
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    tiles: tuple[int, ...] | None,
     *,
+    causal: tuple[bool, ...] | None = None,
     shared: bool,
     key_mask: Tensor | None = None,
     dropout_p: float = 0.0,
@@ -167,8 +164,8 @@ def attend_padded(
 ) -> tuple[Tensor, Tensor | None]:
     """Neighbourhood attention of a padded batch: with ``shared`` the one item of ``items``
     is every item's geometry (one plan for all), else ``items`` lists every item; ``tiles``
-    None: :func:`~mmattn.kernels.neighborhood.choose_tiles`; ``modifiers``, ``table``: as
-    :func:`run_tiles`.
+    None: :func:`~mmattn.kernels.neighborhood.choose_tiles`; ``causal``: per axis (None:
+    none); ``modifiers``, ``table``: as :func:`run_tiles`.
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e); key_mask: (b, l) or None
@@ -176,11 +173,12 @@ def attend_padded(
     """
     batch = q.shape[0]
     if shared:
-        plan = shared_plan(items[0], kernel, dilation, tiles, q.device)
+        plan = shared_plan(items[0], kernel, dilation, tiles, q.device, causal)
         rows = [rearrange(t, "b h l e -> b l h e") for t in (q, k, v)]
     else:
         tiles = tiles or choose_tiles(items, kernel, dilation)
-        plan = cached_plan(batch * q.shape[2], items, kernel, dilation, tiles, q.device)
+        plan = cached_plan(batch * q.shape[2], items, kernel, dilation, tiles, q.device,
+                           causal)
         rows = [rearrange(t, "b h l e -> 1 (b l) h e") for t in (q, k, v)]
         key_mask = None if key_mask is None else key_mask.reshape(1, -1)
     out, weights = run_tiles(

@@ -1,32 +1,33 @@
-"""Tile plans of 2-D neighbourhood attention (see :mod:`mmattn.kernels.neighborhood`).
+"""Tile plans of N-D neighbourhood attention (see :mod:`mmattn.kernels.neighborhood`).
 
-Axis key: ``n`` tiles, ``s`` query slots of a tile (``th · tw``), ``t`` key slots of a tile
-(its ``(th + kh - 1) · (tw + kw - 1)`` slab of grid keys, then the item's global keys),
-``b`` items, ``g`` global tokens of an item.
+Axis key: ``n`` tiles, ``s`` query slots of a tile (the product of its sides ``t_a``), ``t``
+key slots of a tile (its slab of ``prod(t_a + k_a - 1)`` grid keys, then the item's global
+keys), ``b`` items, ``g`` global tokens of an item.
 
 A plan says, for a batch of items laid out as flat rows, which rows every tile gathers as
 queries and keys and which (query, key) pairs of a tile are allowed. It depends only on the
-geometry (grids, kernel, dilation, tile shape), never on the values, so it is built once on
-the CPU with integer tensors and cached per device. A padded batch whose items share one
-grid uses the plan of ONE item for every item (:func:`shared_plan`, the gathers run along
-the token axis); per-item grids and packed rows use a plan of all their items. Plans and
-the additive tile masks made from them live in one LRU cache bounded in bytes
-(:data:`CACHE`), never in a count of entries.
+geometry (grids, kernel, dilation, causal axes, tile shape), never on the values, so it is
+built once on the CPU with integer tensors and cached per device. A padded batch whose
+items share one grid uses the plan of ONE item for every item (:func:`shared_plan`, the
+gathers run along the token axis); per-item grids and packed rows use a plan of all their
+items. Plans and the additive tile masks made from them live in one LRU cache bounded in
+bytes (:data:`CACHE`), never in a count of entries.
 
-With dilation d an axis splits into d subgrids ``{p : p = a mod d}``, each an ordinary
-(dilation 1) neighbourhood problem; tiles never mix subgrids. Along an axis of a subgrid of
-size m a tile of ``th`` consecutive queries needs at most ``th + k - 1`` consecutive keys
-(windows are clamped inward, so the slab never leaves the grid); the last tile of an axis is
-shifted inward to end on the border (it overlaps its neighbour; each query's result is taken
-from its first tile). Slots beyond a small grid are empty: empty query slots read a zero
-row and may attend every slot (so no row is dead), empty key slots read the zero row and
-are never allowed.
+Grids have 1, 2 or 3 axes (a sequence, an image, a video's (t, h, w)); the tiles of a grid
+are the product of each axis's tiles (:mod:`._neighborhood_tiles`). With dilation d an axis
+splits into d subgrids ``{p : p = a mod d}``, each an ordinary (dilation 1) neighbourhood
+problem; tiles never mix subgrids. Along an axis of a subgrid of size m a tile of ``t``
+consecutive queries needs at most ``t + k - 1`` consecutive keys (centred windows are
+clamped inward and causal ones end at their query, so the slab never leaves the grid); the
+last tile of an axis is shifted inward to end on the border (it overlaps its neighbour; each
+query's result is taken from its first tile). Slots beyond a small grid are empty: empty
+query slots read a zero row and may attend every slot (so no row is dead), empty key slots
+read the zero row and are never allowed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 from collections import OrderedDict
@@ -35,23 +36,53 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from mmattn._helpers import ceil_div, exporting
+from mmattn._helpers import exporting
+from mmattn.kernels._neighborhood_tiles import choose_tiles, grid_tiles
 
 
 class Item(NamedTuple):
     """One item's geometry in the flat rows: rows ``[offset, offset + length)``.
 
-    ``start`` is the index of its first grid token; with ``tail_global`` the tokens after the
-    grid are global, otherwise they are dead (padding: never attended, result zero). The
-    tokens before ``start`` are global.
+    ``shape`` is its grid's sides (1 to 3 axes, row-major); ``start`` is the index of its
+    first grid token; with ``tail_global`` the tokens after the grid are global, otherwise
+    they are dead (padding: never attended, result zero). The tokens before ``start`` are
+    global.
     """
 
     offset: int
     length: int
-    rows: int
-    cols: int
+    shape: tuple[int, ...]
     start: int
     tail_global: bool
+
+    @property
+    def cells(self) -> int:
+        """The grid's tokens: the product of its sides."""
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        """A 2-D grid's rows (the second to last axis; 1 for a 1-D grid)."""
+        return self.shape[-2] if len(self.shape) > 1 else 1
+
+    @property
+    def cols(self) -> int:
+        """A 2-D grid's columns (the last axis)."""
+        return self.shape[-1]
+
+
+class PlanKey(NamedTuple):
+    """What a plan is built from (it keys the cache of plans and of their tile masks):
+    the items in ``total`` flat rows, per-axis kernel, dilation and causal flags, the tile
+    shape and the device (a string)."""
+
+    total: int
+    items: tuple[Item, ...]
+    kernel: tuple[int, ...]
+    dilation: tuple[int, ...]
+    causal: tuple[bool, ...]
+    tiles: tuple[int, ...]
+    device: str
 
 
 class Plan(NamedTuple):
@@ -67,7 +98,7 @@ class Plan(NamedTuple):
       (``width`` for empty slots), for the dense weights;
     - ``width``: the longest item; ``tile_shape`` (n, s, t) and ``global_shape`` (b', g')
       as ints (shapes of a traced constant are not read back under ``torch.compile``);
-      ``key``: the arguments it was built from (it keys the cached tile masks of
+      ``key``: the :class:`PlanKey` it was built from (it keys the cached tile masks of
       :func:`tile_mask`).
     """
 
@@ -83,7 +114,7 @@ class Plan(NamedTuple):
     width: int
     tile_shape: tuple[int, int, int]
     global_shape: tuple[int, int]
-    key: tuple
+    key: PlanKey
 
 
 class ByteCache:
@@ -155,122 +186,40 @@ def merge_key_mask(allowed: Tensor, key_rows: Tensor | None) -> Tensor:
     return torch.where(allowed, key_rows, float("-inf"))
 
 
-def _axis(n: int, k: int, d: int, t: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Tiles of one axis: per subgrid, (query positions (m, t), key positions (m, S), allowed
-    (m, t, S)), positions on the full axis, -1 for an empty slot, ``S = t + k - 1``."""
-    slab = t + k - 1
-    out = []
-    for a in range(min(d, n)):
-        size = (n - a + d - 1) // d
-        width = min(k, size)
-        tile = min(t, size)
-        starts = list(range(0, size - tile + 1, tile))
-        if starts[-1] + tile < size:
-            starts.append(size - tile)  # the last tile ends on the border
-        first = torch.tensor(starts)
-        q_sub = first[:, None] + torch.arange(t)  # (m, t) subgrid indices
-        q_real = torch.arange(t) < tile
-        win = torch.minimum((q_sub - width // 2).clamp(min=0), torch.tensor(size - width))
-        span = min(size, tile + width - 1)
-        slab0 = win[:, 0].clamp(max=size - span)
-        k_sub = slab0[:, None] + torch.arange(slab)  # (m, S)
-        k_real = torch.arange(slab) < span
-        ok = (k_sub[:, None, :] >= win[:, :, None]) & (k_sub[:, None, :] < win[:, :, None] + width)
-        ok = torch.where(q_real[None, :, None], ok & k_real, True)
-        q_pos = torch.where(q_real, a + q_sub * d, -1)
-        k_pos = torch.where(k_real, a + k_sub * d, -1)
-        out.append((q_pos, k_pos, ok))
-    return out
-
-
-def _grid_tiles(
-    rows: int, cols: int, kernel: tuple[int, int], dilation: tuple[int, int],
-    tiles: tuple[int, int],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The tiles of one grid: query cells (n, s), key cells (n, t_grid), allowed (n, s, t_grid);
-    cells are row-major grid indices, -1 for an empty slot."""
-    q_cells, k_cells, oks = [], [], []
-    for rq, rk, rok in _axis(rows, kernel[0], dilation[0], tiles[0]):
-        for cq, ck, cok in _axis(cols, kernel[1], dilation[1], tiles[1]):
-            q = rq[:, None, :, None] * cols + cq[None, :, None, :]
-            q = torch.where((rq[:, None, :, None] < 0) | (cq[None, :, None, :] < 0), -1, q)
-            k = rk[:, None, :, None] * cols + ck[None, :, None, :]
-            k = torch.where((rk[:, None, :, None] < 0) | (ck[None, :, None, :] < 0), -1, k)
-            ok = rok[:, None, :, None, :, None] & cok[None, :, None, :, None, :]
-            n = q.shape[0] * q.shape[1]
-            q_cells.append(q.reshape(n, -1))
-            k_cells.append(k.reshape(n, -1))
-            oks.append(ok.reshape(n, q_cells[-1].shape[1], k_cells[-1].shape[1]))
-    return torch.cat(q_cells), torch.cat(k_cells), torch.cat(oks)
-
-
 def _globals(item: Item) -> Tensor:
     """Positions (inside the item) of its global tokens."""
     before = torch.arange(item.start)
     if not item.tail_global:
         return before
-    return torch.cat([before, torch.arange(item.start + item.rows * item.cols, item.length)])
+    return torch.cat([before, torch.arange(item.start + item.cells, item.length)])
 
 
 def _live_length(item: Item) -> int:
     """Tokens of the item that are not dead: every one with ``tail_global``."""
-    return item.length if item.tail_global else item.start + item.rows * item.cols
-
-
-#: Candidate tile sides.
-TILE_CHOICES = (4, 6, 8, 12, 16)
-
-
-@functools.lru_cache(maxsize=64)
-def choose_tiles(
-    items: tuple[Item, ...], kernel: tuple[int, int], dilation: tuple[int, int]
-) -> tuple[int, int]:
-    """Tile shape (th, tw) from a cost model: per tile ``s · t`` scores plus a fixed cost.
-
-    A tile of th × tw queries scores ``(th + kh - 1)(tw + kw - 1)`` grid keys for each
-    query: small tiles waste fewer scores, large ones make fewer, bigger matmuls and
-    gather fewer halo keys. The fixed cost of a tile is worth :data:`TILE_OVERHEAD` scores
-    (measured on the CPU, docs/performance.md). Sides are capped at a subgrid's size.
-    """
-    best, best_cost = (1, 1), math.inf
-    shapes = [(ceil_div(it.rows, dilation[0]), ceil_div(it.cols, dilation[1])) for it in items]
-    sub = dilation[0] * dilation[1]
-    for th in TILE_CHOICES:
-        for tw in TILE_CHOICES:
-            th_ = min(th, max(r for r, _ in shapes))
-            tw_ = min(tw, max(c for _, c in shapes))
-            keys = (th_ + kernel[0] - 1) * (tw_ + kernel[1] - 1)
-            cost = 0.0
-            for rows, cols in shapes:
-                tiles = sub * ceil_div(rows, min(th_, rows)) * ceil_div(cols, min(tw_, cols))
-                cost += tiles * (th_ * tw_ * keys + TILE_OVERHEAD)
-            if cost < best_cost:
-                best, best_cost = (th_, tw_), cost
-    return best
-
-
-#: The fixed cost of one tile, in scores (see :func:`choose_tiles`).
-TILE_OVERHEAD = 6144
+    return item.length if item.tail_global else item.start + item.cells
 
 
 def cached_plan(
     total: int,
     items: tuple[Item, ...],
-    kernel: tuple[int, int],
-    dilation: tuple[int, int],
-    tiles: tuple[int, int],
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    tiles: tuple[int, ...],
     device: torch.device | str,
+    causal: tuple[bool, ...] | None = None,
 ) -> Plan:
-    """The plan of ``items`` in ``total`` flat rows (see :class:`Plan`), from :data:`CACHE`.
+    """The plan of ``items`` in ``total`` flat rows (see :class:`Plan`), from :data:`CACHE`;
+    ``causal`` None: no causal axis.
 
     Unchecked: :func:`mmattn.kernels.neighborhood.build_plan` checks the items first.
     """
-    key = ("plan", total, items, kernel, dilation, tiles, str(device))
-    plan = CACHE.get(key)
+    causal = causal or (False,) * len(kernel)
+    key = PlanKey(total, items, kernel, dilation, causal, tiles, str(device))
+    plan = CACHE.get(("plan", key))
     if plan is None:
-        plan = _build_plan(total, items, kernel, dilation, tiles, str(device), key)
+        plan = _build_plan(key)
         size = sum(t.nbytes for t in plan if isinstance(t, Tensor))
-        plan = CACHE.put(key, plan, size)
+        plan = CACHE.put(("plan", key), plan, size)
     return plan
 
 
@@ -285,8 +234,9 @@ def _outside_trace():
 
 
 def shared_plan(
-    item: Item, kernel: tuple[int, int], dilation: tuple[int, int],
-    tiles: tuple[int, int] | None, device: torch.device | str,
+    item: Item, kernel: tuple[int, ...], dilation: tuple[int, ...],
+    tiles: tuple[int, ...] | None, device: torch.device | str,
+    causal: tuple[bool, ...] | None = None,
 ) -> Plan:
     """The plan of one item (offset 0) that every item of a padded batch shares; ``tiles``
     None: :func:`choose_tiles`.
@@ -295,30 +245,30 @@ def shared_plan(
     ``torch.compile`` take its tensors as constants, so nothing is guarded on data and no
     plan (nor tile choice) is rebuilt inside a graph.
     """
-    th, tw = tiles or (0, 0)
-    return _constant_plan(item.length, item.rows, item.cols, item.start, item.tail_global,
-                          *kernel, *dilation, th, tw, str(device))
+    return _constant_plan(item.length, tuple(item.shape), item.start, item.tail_global,
+                          tuple(kernel), tuple(dilation), causal or (False,) * len(kernel),
+                          tuple(tiles or ()), str(device))
 
 
 @torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph
 def _constant_plan(
-    length: int, rows: int, cols: int, start: int, tail_global: bool, kh: int, kw: int,
-    dh: int, dw: int, th: int, tw: int, device: str,
+    length: int, shape: tuple[int, ...], start: int, tail_global: bool,
+    kernel: tuple[int, ...], dilation: tuple[int, ...], causal: tuple[bool, ...],
+    tiles: tuple[int, ...], device: str,
 ) -> Plan:
-    """:func:`shared_plan` on plain ints (what ``assume_constant_result`` takes)."""
-    item = Item(0, length, rows, cols, start, tail_global)
-    tiles = (th, tw) if th else choose_tiles((item,), (kh, kw), (dh, dw))
-    build = (length, (item,), (kh, kw), (dh, dw), tiles, device)
+    """:func:`shared_plan` on plain ints and tuples of them (what ``assume_constant_result``
+    takes); ``tiles`` empty: :func:`choose_tiles`."""
+    item = Item(0, length, shape, start, tail_global)
+    tiles = tiles or choose_tiles((item,), kernel, dilation)
+    build = (length, (item,), kernel, dilation, tiles, device, causal)
     if not exporting():
         return cached_plan(*build)
     with _outside_trace():
         return cached_plan(*build)
 
 
-def _build_plan(
-    total: int, items: tuple[Item, ...], kernel: tuple[int, int], dilation: tuple[int, int],
-    tiles: tuple[int, int], device: str, key: tuple,
-) -> Plan:
+def _build_plan(key: PlanKey) -> Plan:
+    total, items, tiles, device = key.total, key.items, key.tiles, key.device
     zero = total
     width = max((item.length for item in items), default=0)
     globs = [_globals(item) for item in items]
@@ -327,15 +277,15 @@ def _build_plan(
     gq, gk, gk_cols = [], [], []
     pick = torch.full((zero,), -1, dtype=torch.long)
     n_tiles = 0
-    slots = tiles[0] * tiles[1]
+    slots = math.prod(tiles)
     tile_picks = []
     glob_items = 0
-    grids: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+    grids: dict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] = {}
     for item, glob in zip(items, globs):
-        shape = (item.rows, item.cols)
-        if shape not in grids:
-            grids[shape] = _grid_tiles(*shape, kernel, dilation, tiles)
-        q_cells, k_cells, ok = grids[shape]
+        if item.shape not in grids:
+            grids[item.shape] = grid_tiles(item.shape, key.kernel, key.dilation, key.causal,
+                                           tiles)
+        q_cells, k_cells, ok = grids[item.shape]
         n = q_cells.shape[0]
         q_rel = torch.where(q_cells >= 0, item.start + q_cells, -1)
         k_rel = torch.where(k_cells >= 0, item.start + k_cells, -1)
@@ -355,7 +305,7 @@ def _build_plan(
         slot = torch.arange(flat.numel()) + n_tiles * slots
         first = torch.full((item.length,), slot.numel() + n_tiles * slots, dtype=torch.long)
         first = first.scatter_reduce(0, flat[real], slot[real], reduce="amin")
-        cells = item.start + torch.arange(item.rows * item.cols)
+        cells = item.start + torch.arange(item.cells)
         tile_picks.append((item.offset + cells, first[cells]))
         n_tiles += n
         if len(glob):

@@ -1,19 +1,21 @@
-"""The additive score terms of 2-D neighbourhood attention: ALiBi on the grid and NAT's
+"""The additive score terms of neighbourhood attention: ALiBi on the grid and NAT's
 relative-position bias (:mod:`mmattn.kernels.neighborhood` adds them to each tile's mask).
 
 Axis key: ``r`` flat rows, ``n`` tiles (or items), ``s`` query slots, ``t`` key slots,
-``h`` heads, ``p`` the (row, col) of a grid cell.
+``h`` heads, ``a`` the axes of a grid cell ((t, row, col) of a video grid).
 
-For a query at grid cell (r, c) and a key at (r', c') of the same grid::
+For a query at grid cell x and a key at x' of the same grid (1 to 3 axes), and on a 2-D grid
+at (r, c) and (r', c')::
 
-    ALiBi   −m_h · sqrt((r − r')² + (c − c')²)          Euclidean, in grid cells
+    ALiBi   −m_h · ‖x − x'‖₂                               Euclidean, in grid cells
     table   T[index((r − r') / d_r, (c − c') / d_c), h]    NAT's ``rpb`` in Swin's layout
 
 with Swin's ``index(Δr, Δc) = (Δr + kh − 1)(2 kw − 1) + (Δc + kw − 1)`` of a (kh, kw) kernel
 (:class:`mmattn.position.RelativePositionBias`): offsets are counted in units of the
 dilation, as NATTEN indexes its ``rpb`` (a dilated window's keys are d cells apart, its
 offsets −(k − 1) .. k − 1). A pair with a global token (class / register tokens, the other
-modalities' tokens around a ``grid_start``) has no cell: both terms are 0 there.
+modalities' tokens around a ``grid_start``) has no cell: both terms are 0 there. The table
+is 2-D only (NAT's); ALiBi takes any grid.
 
 The cell of every flat row depends only on the geometry and is cached with the plans, in
 the cache bounded in bytes (:func:`plan_coords`, a constant under ``torch.compile`` and
@@ -23,7 +25,7 @@ and reach the one tile runner (:func:`._neighborhood.run_tiles`) as call argumen
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
 
 import torch
 from torch import Tensor
@@ -38,23 +40,28 @@ def softmax_modifiers(modifiers: Modifiers | None) -> Modifiers | None:
     grid's, in the tiles' additive term, never the call's ``0 .. i - 1`` positions."""
     if not modifiers:
         return None
-    kept = replace(modifiers, slopes=None, q_pos=None, k_pos=None, bias=None)
+    kept = modifiers.replace(slopes=None, q_pos=None, k_pos=None, bias=None)
     return kept if kept else None
 
 
+def cell_coords(cells: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """(..., a) long: the coordinates along each axis of row-major ``cells`` of a grid."""
+    strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
+    return torch.stack([cells // stride % side for stride, side in zip(strides, shape)], -1)
+
+
 def grid_coords(total: int, items: tuple[Item, ...], device: torch.device | str) -> Tensor:
-    """(total + 1, 2) long: the (row, col) cell of each flat row, (-1, -1) off the grid
-    (global tokens, dead padding, the zero row at index ``total``); cached in the plans'
-    cache (bounded in bytes). Inside a trace call :func:`plan_coords` instead."""
+    """(total + 1, a) long: the cell of each flat row along each of the grid's ``a`` axes,
+    -1 off the grid (global tokens, dead padding, the zero row at index ``total``); cached in
+    the plans' cache (bounded in bytes). Inside a trace call :func:`plan_coords` instead."""
     key = ("coords", total, items, str(device))
     coords = CACHE.get(key)
     if coords is None:
-        coords = torch.full((total + 1, 2), -1, dtype=torch.long)
+        axes = max((len(item.shape) for item in items), default=1)
+        coords = torch.full((total + 1, axes), -1, dtype=torch.long)
         for item in items:
-            cells = torch.arange(item.rows * item.cols)
             first = item.offset + item.start
-            coords[first:first + cells.numel(), 0] = cells // item.cols
-            coords[first:first + cells.numel(), 1] = cells % item.cols
+            coords[first:first + item.cells] = cell_coords(torch.arange(item.cells), item.shape)
         coords = coords.to(torch.device(device))
         coords = CACHE.put(key, coords, coords.nbytes)
     return coords
@@ -63,8 +70,7 @@ def grid_coords(total: int, items: tuple[Item, ...], device: torch.device | str)
 def plan_coords(plan: Plan) -> Tensor:
     """The cells of the rows ``plan`` was built for (:func:`grid_coords`); built outside any
     trace, so ``torch.compile`` and ``torch.export`` take them as a constant, as the plan."""
-    _, total, items, _, _, _, device = plan.key
-    return static_coords(total, items, device)
+    return static_coords(plan.key.total, plan.key.items, plan.key.device)
 
 
 @torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph
@@ -84,25 +90,25 @@ def pair_terms(
     *,
     slopes: Tensor | None,
     table: Tensor | None,
-    kernel: tuple[int, int],
-    dilation: tuple[int, int],
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
     dtype: torch.dtype,
 ) -> Tensor | None:
     """The ALiBi and table terms between query rows and key rows; None without either.
 
     Pairs outside a window get a finite value (their offsets are clamped into the table):
-    the caller's mask forbids them.
+    the caller's mask forbids them. The table needs a 2-D grid (the layers check it).
 
     Shape:
-        - coords: (r + 1, 2); q_rows: (..., s); k_rows: (..., t); slopes: (h,);
+        - coords: (r + 1, a); q_rows: (..., s); k_rows: (..., t); slopes: (h,);
           table: ((2 kh − 1)(2 kw − 1), h)
         - returns: (..., h, s, t)
     """
     if slopes is None and table is None:
         return None
-    qc, kc = coords[q_rows], coords[k_rows]  # (..., s, 2), (..., t, 2)
+    qc, kc = coords[q_rows], coords[k_rows]  # (..., s, a), (..., t, a)
     on = (qc[..., :, None, 0] >= 0) & (kc[..., None, :, 0] >= 0)  # (..., s, t)
-    delta = qc[..., :, None, :] - kc[..., None, :, :]  # query minus key, (..., s, t, 2)
+    delta = qc[..., :, None, :] - kc[..., None, :, :]  # query minus key, (..., s, t, a)
     term = None
     if slopes is not None:
         dist = torch.where(on, delta.to(dtype).square().sum(-1).sqrt(), 0.0)
@@ -118,16 +124,20 @@ def pair_terms(
 
 
 def tile_terms(
-    plan: Plan, modifiers: Modifiers | None, table: Tensor | None, dtype: torch.dtype
+    plan: Plan, modifiers: Modifiers | None, table: Tensor | None, dtype: torch.dtype,
+    span: tuple[int, int] | None = None,
 ) -> Tensor | None:
-    """The ALiBi and table terms of every tile of ``plan``: (n, h, s, t), or None without
-    either (the kernel and dilation are the plan's)."""
+    """The ALiBi and table terms of every tile of ``plan`` (of tiles ``span = (n0, n1)``
+    only, when given): (n, h, s, t), or None without either (the kernel and dilation are
+    the plan's)."""
     slopes = None if modifiers is None else modifiers.slopes
     if slopes is None and table is None:
         return None
-    _, _, _, kernel, dilation, _, _ = plan.key
     n, slots, keys = plan.tile_shape
+    n0, n1 = span or (0, n)
     return pair_terms(
-        plan_coords(plan), plan.q_index.view(n, slots), plan.k_index.view(n, keys),
-        slopes=slopes, table=table, kernel=kernel, dilation=dilation, dtype=dtype,
+        plan_coords(plan), plan.q_index[n0 * slots:n1 * slots].view(n1 - n0, slots),
+        plan.k_index[n0 * keys:n1 * keys].view(n1 - n0, keys),
+        slopes=slopes, table=table, kernel=plan.key.kernel, dilation=plan.key.dilation,
+        dtype=dtype,
     )

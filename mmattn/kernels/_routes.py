@@ -4,16 +4,21 @@ Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``l`` length, `
 width.
 
 A kernel calls its route first; the route asks :func:`~mmattn.kernels.engines.select` and
-either runs the engine and returns the output, or returns None (the kernel runs as before).
-On the CPU, with no engine forced, a route costs one check (:func:`engines.considered`).
-Every route reports the engine that ran (path "varlen" / "flex") or, when it declines on a
-device it was asked about, the fallback's reason (:func:`fallback_facts`), for ``explain``.
+either runs the engine (through :func:`~mmattn.kernels.engines.attempt`: an engine that
+fails or meets dynamo's recompile limit hands the call back) and returns the output, or
+returns None (the kernel runs as before). On the CPU, with no engine forced, a route costs
+one check (:func:`engines.considered`). No route makes a host sync: everything it derives
+from a mask is cached on the mask (or by geometry). Every route reports the engine that ran
+(path "varlen" / "flex") or, when it declines on a device it was asked about, the
+fallback's reason (:func:`fallback_facts`), for ``explain``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +31,7 @@ from mmattn.kernels import _block_sparse_plan as _plan
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels import engines
 from mmattn.kernels._neighborhood_plan import ByteCache
+from mmattn.kernels.flex import mod_facts, own_copy
 from mmattn.kernels.modifiers import Modifiers
 
 #: geometry → BlockMask (the key mask is a score term): the kernels' byte-bounded,
@@ -35,7 +41,8 @@ _MASKS = ByteCache(64 * 2**20)
 
 def facts(kind: str, q: Tensor, k: Tensor, v: Tensor, *, groups: int, need_weights: bool,
           dropout_p: float, key_mask: Tensor | None, modifiers: Modifiers | None,
-          global_tokens: bool = False, banded: bool = False) -> engines.Call:
+          global_tokens: bool = False, banded: bool = False, block: int | None = None,
+          packed: bool = False) -> engines.Call:
     """The :class:`~mmattn.kernels.engines.Call` of a kernel's arguments."""
     mods = modifiers if modifiers else None
     params = [q, k, v] + ([] if mods is None else [mods.sinks, mods.slopes])
@@ -50,6 +57,7 @@ def facts(kind: str, q: Tensor, k: Tensor, v: Tensor, *, groups: int, need_weigh
         groups=groups, need_weights=need_weights, dropout=dropout_p > 0,
         fused=_kernel.use_fused_attn(), key_mask=key_mask is not None, modifiers=names,
         grad=grad, traced=traced, global_tokens=global_tokens, banded=banded,
+        capability=engines.capability(q.device), block=block, packed=packed,
     )
 
 
@@ -76,18 +84,54 @@ def fallback_facts(choice: engines.Choice | None) -> contextlib.AbstractContextM
 def block_mask(key: tuple, make_mod: Callable[[], Callable], length: int,
                device: torch.device, block: int):
     """The BlockMask of the geometry-only mask_mod ``make_mod()`` (one for every batch and
-    head), cached by ``key`` (the geometry); compiled mask creation on CUDA, no (L, L)
-    tensor there."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    head), cached by ``key`` (the geometry); compiled mask creation on CUDA
+    (:func:`build_block_mask`), no (L, L) tensor there."""
     key = (key, length, str(device), block)
     mask = _MASKS.get(key)
     if mask is not None:
         return mask
-    mask = create_block_mask(make_mod(), None, None, length, length, device=device,
-                             BLOCK_SIZE=block, _compile=torch.device(device).type == "cuda")
+    mask = build_block_mask(make_mod(), length, torch.device(device), block)
     nbytes = sum(t.nbytes for t in mask.as_tuple() if isinstance(t, Tensor))
     return _MASKS.put(key, mask, nbytes)
+
+
+def _create(mask_mod: Callable, length: int, device: torch.device, block: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, None, None, length, length, device=device,
+                             BLOCK_SIZE=block)
+
+
+#: The compiled mask builders, one per mask_mod (its own dynamo cache and recompile budget);
+#: None once this torch failed to compile one (the older spellings then).
+_BUILDERS: dict[tuple, Callable | None] = {}
+
+
+def build_block_mask(mask_mod: Callable, length: int, device: torch.device, block: int):
+    """``create_block_mask`` of a (b, h)-free mask_mod: eager on the CPU; on CUDA through
+    ``torch.compile`` of a function of mmattn's own, one per mask_mod (torch's newer
+    spelling of the deprecated ``_compile=True``), the ``_compile`` flag only where that
+    compile fails in this torch (its deprecation warning silenced), eager where neither
+    exists."""
+    if device.type != "cuda":
+        return _create(mask_mod, length, device, block)
+    key = mod_facts(mask_mod)
+    if key not in _BUILDERS and None not in _BUILDERS.values():
+        _BUILDERS[key] = torch.compile(own_copy(_create, f"mmattn_block_mask_{len(_BUILDERS)}"))
+    builder = _BUILDERS.get(key)
+    if builder is not None:
+        try:
+            return builder(mask_mod, length, device, block)
+        except Exception:  # noqa: BLE001 - this torch does not compile it: older spellings
+            _BUILDERS[key] = None
+    if engines.available().mask_compile_flag:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return create_block_mask(mask_mod, None, None, length, length, device=device,
+                                     BLOCK_SIZE=block, _compile=True)
+    return _create(mask_mod, length, device, block)
 
 
 def flex_block(device: torch.device) -> int:
@@ -100,12 +144,13 @@ def band_mask_mod(window: int, causal: bool, num_global_tokens: int,
                   device: torch.device) -> Callable:
     """LocalAttention's rule as a mask_mod (|i − j| ≤ w, j ≤ i when causal, the first g
     tokens global); the numbers are tensors, so every window shares one compiled graph."""
-    w = torch.tensor(window, device=device)
-    g = torch.tensor(num_global_tokens, device=device)
+    w = torch.full((), window, device=device)
+    g = torch.full((), num_global_tokens, device=device)
+    glob = num_global_tokens > 0  # a bool, not the count: no graph per count
 
     def mask_mod(b, h, q_idx, kv_idx):
         ok = (q_idx - kv_idx).abs() <= w
-        if num_global_tokens:
+        if glob:
             ok = ok | (q_idx < g) | (kv_idx < g)
         if causal:
             ok = ok & (kv_idx <= q_idx)
@@ -120,6 +165,10 @@ def local(q: Tensor, k: Tensor, v: Tensor, window: int, *, causal: bool,
           scale: float) -> tuple[Tensor | None, engines.Choice | None]:
     """LocalAttention's route: varlen ``window_size`` without global tokens, else flex.
 
+    ALiBi is measured as the blocked kernel measures it: the band by the rows' offset
+    ``|i − j|``, a pair with a global token between ``modifiers.q_pos`` (the absolute
+    positions sequence parallelism sets), else the index.
+
     Returns:
         (output or None, the choice or None when the device was not considered).
     """
@@ -127,31 +176,44 @@ def local(q: Tensor, k: Tensor, v: Tensor, window: int, *, causal: bool,
         return None, None
     call = facts("window", q, k, v, groups=groups, need_weights=need_weights,
                  dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers,
-                 global_tokens=num_global_tokens > 0)
+                 global_tokens=num_global_tokens > 0, block=flex_block(q.device))
     choice = engines.select(call)
     batch, _, length, _ = q.shape
-    info = {"q": q, "k": k, "v": v, "mask": key_mask, "is_causal": causal, "scale": scale,
-            "groups": groups, "modifiers": modifiers or None, "window_size": window}
     if choice.engine == "varlen":
         from mmattn.kernels.varlen import row_offsets, varlen_attend, window_size
 
-        out = varlen_attend(q, k, v, row_offsets(batch, length, q.device), length,
-                            window=window_size(min(window, length), causal), scale=scale,
-                            groups=groups)
-        report(choice, "local", **info)
-        return out, choice
-    if choice.engine == "flex":
+        def run() -> Tensor:
+            return varlen_attend(q, k, v, row_offsets(batch, length, q.device), length,
+                                 window=window_size(min(window, length), causal), scale=scale,
+                                 groups=groups)
+    elif choice.engine == "flex":
         from mmattn.kernels.flex import flex_attend
 
-        mask = block_mask(
-            ("band", window, causal, num_global_tokens),
-            lambda: band_mask_mod(window, causal, num_global_tokens, q.device), length,
-            q.device, flex_block(q.device))
-        out = flex_attend(q, k, v, mask, key_mask=key_mask, scale=scale, groups=groups,
-                          modifiers=modifiers)
-        report(choice, "local", **info)
-        return out, choice
-    return None, choice
+        def run() -> Tensor:
+            mask = block_mask(
+                ("band", window, causal, num_global_tokens),
+                lambda: band_mask_mod(window, causal, num_global_tokens, q.device), length,
+                q.device, flex_block(q.device))
+            return flex_attend(q, k, v, mask, key_mask=key_mask, scale=scale, groups=groups,
+                               modifiers=modifiers, **_band_alibi(modifiers, num_global_tokens,
+                                                                 length, q.device))
+    else:
+        return None, choice
+    out, choice = engines.attempt(choice, call, run)
+    if out is not None:
+        report(choice, "local", q=q, k=k, v=v, mask=key_mask, is_causal=causal, scale=scale,
+               groups=groups, modifiers=modifiers or None, window_size=window)
+    return out, choice
+
+
+def _band_alibi(mods: Modifiers | None, glob: int, length: int,
+                device: torch.device) -> dict[str, Tensor]:
+    """flex_attend's ALiBi tables for the band: the global tokens measured from
+    ``mods.q_pos`` (the blocked kernel's rule), the rest by index (none: all by index)."""
+    if not mods or mods.slopes is None or not glob or mods.q_pos is None:
+        return {}
+    return {"flat": torch.arange(length, device=device) < glob,
+            "flat_rows": mods.q_pos[:, 0].float()}
 
 
 def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q: int,
@@ -165,16 +227,17 @@ def packed(q: Tensor, k: Tensor, v: Tensor, q_off: Tensor, k_off: Tensor, max_q:
     if not engines.considered(q.device):
         return None, None
     call = facts("segments", q, k, v, groups=groups, need_weights=False, dropout_p=dropout_p,
-                 key_mask=None, modifiers=None, banded=is_causal)
-    choice = engines.select(call, allowed=tuple(
-        e for e in (engines.forced() or engines.ENGINES) if e != "flex"))
+                 key_mask=None, modifiers=None, banded=is_causal, packed=True)
+    choice = engines.select(call)
     if choice.engine != "varlen":
         return None, choice
     from mmattn.kernels.varlen import packed_attend
 
-    out = packed_attend(q, k, v, q_off, k_off, max_q, max_k,
-                        window=(-1, 0) if is_causal else (-1, -1), groups=groups)
-    report(choice, "packed", q=q, k=k, v=v, mask=None, is_causal=is_causal, groups=groups)
+    out, choice = engines.attempt(choice, call, lambda: packed_attend(
+        q, k, v, q_off, k_off, max_q, max_k, window=(-1, 0) if is_causal else (-1, -1),
+        groups=groups))
+    if out is not None:
+        report(choice, "packed", q=q, k=k, v=v, mask=None, is_causal=is_causal, groups=groups)
     return out, choice
 
 
@@ -199,22 +262,21 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
     """A SparseMask's route: varlen over the runs of a segment-wise pattern
     (patterns/_segments.py), else flex with ``mask.block_mask()`` (its tiles as a BlockMask).
 
+    A key padding mask sends a segment-wise call to flex: the mask already holds its
+    tokens' padding, and whether a key mask says more could only be read from the device.
+
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e); returns (b, h, l, e) or None
     """
-    if not engines.considered(q.device):
-        return None, None
+    if not engines.considered(q.device) or (modifiers and any(
+            t is not None for t in (modifiers.q_pos, modifiers.k_pos, modifiers.bias))):
+        return None, None  # (ALiBi positions: the kernel refuses them, engines do too)
     source = getattr(mask, "segment_source", None)
-    # a bool key mask may be the tokens' own padding, which the runs hold: compared (a host
-    # read) only when varlen would take the call without it
-    own = source is not None and key_mask is not None and key_mask.dtype == torch.bool
     banded = source is not None and (is_causal or source.window != (-1, -1))
     call = facts("segments" if source is not None else "blocks", q, k, v, groups=groups,
-                 need_weights=need_weights, dropout_p=dropout_p,
-                 key_mask=None if own else key_mask, modifiers=modifiers, banded=banded)
+                 need_weights=need_weights, dropout_p=dropout_p, key_mask=key_mask,
+                 modifiers=modifiers, banded=banded, block=mask.block_size)
     choice = engines.select(call)
-    if own and choice.engine == "varlen" and not torch.equal(key_mask, source.real):
-        choice = engines.select(dataclasses.replace(call, key_mask=True))
     if choice.engine == "varlen":
         from mmattn.kernels.varlen import segment_runs
 
@@ -223,58 +285,64 @@ def sparse(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, key_mask: Tensor | Non
             from mmattn.kernels.varlen import varlen_attend
 
             runs, (left, right) = found
-            out = varlen_attend(q, k, v, runs.cu_seqlens, runs.max_len,
-                                window=(left, 0 if is_causal else right), scale=scale,
-                                groups=groups, dead=runs.dead)
-            report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal,
-                   scale=scale, groups=groups, density=mask.density, block=mask.block_size)
+            out, choice = engines.attempt(choice, call, lambda: varlen_attend(
+                q, k, v, runs.cu_seqlens, runs.max_len, window=(left, 0 if is_causal else right),
+                scale=scale, groups=groups, dead=runs.dead))
+            if out is not None:
+                report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal,
+                       scale=scale, groups=groups, density=mask.density, block=mask.block_size)
             return out, choice
         # the segments are not contiguous runs
-        choice = engines.select(dataclasses.replace(
-            call, kind="blocks", key_mask=key_mask is not None, banded=False))
+        call = dataclasses.replace(call, kind="blocks", banded=False)
+        choice = engines.select(call)
     if choice.engine != "flex":
         return None, choice
-    try:
-        blocks = mask.block_mask()
-    except ValueError as error:  # a block size flex does not run exactly
-        return None, engines.Choice("fallback", f"no BlockMask: {error}")
     from mmattn.kernels.flex import flex_attend
 
-    out = flex_attend(q, k, v, blocks, key_mask=key_mask, scale=scale, groups=groups,
-                      modifiers=modifiers, causal=is_causal, seen=seen_keys(mask))
-    report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal, scale=scale,
-           groups=groups, modifiers=modifiers or None, density=mask.density,
-           block=mask.block_size)
+    out, choice = engines.attempt(choice, call, lambda: flex_attend(
+        q, k, v, mask.block_mask(), key_mask=key_mask, scale=scale, groups=groups,
+        modifiers=modifiers, causal=is_causal, seen=seen_keys(mask)))
+    if out is not None:
+        report(choice, "block-sparse", q=q, k=k, v=v, mask=None, is_causal=is_causal,
+               scale=scale, groups=groups, modifiers=modifiers or None, density=mask.density,
+               block=mask.block_size)
     return out, choice
 
 
-def window_mask_mod(grid: tuple[int, int], kernel: tuple[int, int], dilation: tuple[int, int],
-                    first: int, device: torch.device) -> Callable:
+def window_mask_mod(grid: tuple[int, ...], kernel: tuple[int, ...], dilation: tuple[int, ...],
+                    first: int, device: torch.device,
+                    causal: tuple[bool, ...] | None = None) -> Callable:
     """NeighborhoodAttention's rule as a mask_mod: the grid's tokens are ``first ..
-    first + rows·cols − 1`` (row-major), every other token is global. Pure indexing into
-    per-axis tables built here."""
-    (rows, cols), (kh, kw), (dh, dw) = grid, kernel, dilation
-    rsub, ridx, rstart, rstop = axis_window(torch.arange(rows, device=device), rows, kh, dh)
-    csub, cidx, cstart, cstop = axis_window(torch.arange(cols, device=device), cols, kw, dw)
+    first + prod(grid) − 1`` (row-major, 1 to 3 axes; ``causal`` per axis, None: none),
+    every other token is global. Pure indexing into per-axis tables built here
+    (:func:`~mmattn._masks_grid.axis_window`)."""
+    axes = []
+    causal = causal or (False,) * len(grid)
+    for a, (n, k, d, c) in enumerate(zip(grid, kernel, dilation, causal)):
+        stride = torch.tensor(math.prod(grid[a + 1:]), device=device)
+        side = torch.tensor(n, device=device)
+        axes.append((stride, side, *axis_window(torch.arange(n, device=device), n, k, d, c)))
     lo = torch.tensor(first, device=device)
-    hi = torch.tensor(first + rows * cols, device=device)
-    width = torch.tensor(cols, device=device)
-    last = torch.tensor(rows * cols - 1, device=device)
+    hi = torch.tensor(first + math.prod(grid), device=device)
+    last = torch.tensor(math.prod(grid) - 1, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         tq = torch.minimum((q_idx - lo).clamp(min=0), last)  # (a tensor bound: no .item())
         tk = torch.minimum((kv_idx - lo).clamp(min=0), last)
-        rq, cq, rk, ck = tq // width, tq % width, tk // width, tk % width
-        row = (rsub[rq] == rsub[rk]) & (ridx[rk] >= rstart[rq]) & (ridx[rk] < rstop[rq])
-        col = (csub[cq] == csub[ck]) & (cidx[ck] >= cstart[cq]) & (cidx[ck] < cstop[cq])
-        outside = (q_idx < lo) | (q_idx >= hi) | (kv_idx < lo) | (kv_idx >= hi)
-        return outside | (row & col)
+        ok = (q_idx < lo) | (q_idx >= hi) | (kv_idx < lo) | (kv_idx >= hi)  # global
+        inside = None
+        for stride, side, sub, idx, start, stop in axes:
+            pq, pk = tq // stride % side, tk // stride % side
+            axis = (sub[pq] == sub[pk]) & (idx[pk] >= start[pq]) & (idx[pk] < stop[pq])
+            inside = axis if inside is None else inside & axis
+        return ok | inside
 
     return mask_mod
 
 
-def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, int],
-                 dilation: tuple[int, int], *, first: Any, key_mask: Tensor | None,
+def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, ...],
+                 dilation: tuple[int, ...], causal: tuple[bool, ...], *, first: Any,
+                 key_mask: Tensor | None,
                  dropout_p: float, need_weights: bool, modifiers: Modifiers | None,
                  table: Tensor | None,
                  scale: float | None) -> tuple[Tensor | None, engines.Choice | None]:
@@ -288,28 +356,38 @@ def neighborhood(q: Tensor, k: Tensor, v: Tensor, grid: Any, kernel: tuple[int, 
         return None, None
     groups = q.shape[1] // k.shape[1]
     call = facts("blocks", q, k, v, groups=groups, need_weights=need_weights,
-                 dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers)
+                 dropout_p=dropout_p, key_mask=key_mask, modifiers=modifiers,
+                 block=flex_block(q.device))
     choice = engines.select(call)
     if choice.engine != "flex":
         return None, choice
-    shared = isinstance(grid, tuple) and len(grid) == 2 and all(isinstance(n, int) for n in grid)
+    shared = isinstance(grid, tuple) and all(isinstance(n, int) for n in grid)
     if not shared or not isinstance(first, int):
         return None, engines.Choice("fallback", "flex route: one grid for the whole batch only")
     if table is not None:
         return None, engines.Choice("fallback", "flex route: no relative-position table")
+    if modifiers is not None and modifiers.slopes is not None and len(grid) != 2:
+        return None, engines.Choice("fallback", "flex route: ALiBi on a 2-D grid only")
     from mmattn.kernels.flex import flex_attend
 
     length = q.shape[2]
-    mask = block_mask(("window", grid, kernel, dilation, first),
-                      lambda: window_mask_mod(grid, kernel, dilation, first, q.device), length,
-                      q.device, flex_block(q.device))
-    rows = cols = flat = None
-    if modifiers is not None and modifiers.slopes is not None:
-        t = torch.arange(length, device=q.device) - first
-        flat = (t < 0) | (t >= grid[0] * grid[1])
-        rows, cols = (t // grid[1]).float(), (t % grid[1]).float()
-    out = flex_attend(q, k, v, mask, key_mask=key_mask, scale=scale, groups=groups,
-                      modifiers=modifiers, rows=rows, cols=cols, flat=flat)
-    report(choice, "neighborhood", q=q, k=k, v=v, mask=key_mask, scale=scale, groups=groups,
-           modifiers=modifiers or None, kernel_size=kernel, dilation=dilation, grid=grid)
+
+    def run() -> Tensor:
+        mask = block_mask(("window", grid, kernel, dilation, causal, first),
+                          lambda: window_mask_mod(grid, kernel, dilation, first, q.device,
+                                                  causal),
+                          length, q.device, flex_block(q.device))
+        rows = cols = flat = None
+        if modifiers is not None and modifiers.slopes is not None:
+            t = torch.arange(length, device=q.device) - first
+            flat = (t < 0) | (t >= grid[0] * grid[1])
+            rows, cols = (t // grid[1]).float(), (t % grid[1]).float()
+        return flex_attend(q, k, v, mask, key_mask=key_mask, scale=scale, groups=groups,
+                           modifiers=modifiers, rows=rows, cols=cols, flat=flat)
+
+    out, choice = engines.attempt(choice, call, run)
+    if out is not None:
+        report(choice, "neighborhood", q=q, k=k, v=v, mask=key_mask, scale=scale,
+               groups=groups, modifiers=modifiers or None, kernel_size=kernel,
+               dilation=dilation, causal=causal, grid=grid)
     return out, choice

@@ -28,8 +28,10 @@ every attention call: which path ran and why. With no listener the cost is one l
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -73,12 +75,18 @@ def fused_attn(enable: bool) -> Iterator[None]:
 # ---------------------------------------------------------------------- path reports
 
 Listener = Callable[[dict[str, Any]], None]
-_LISTENERS: list[Listener] = []
-_FACTS: list[dict[str, Any]] = [{}]  # facts every report inside a call adds (report_facts)
+# Per context (so per thread): two threads that explain at once each see their own calls.
+_LISTENERS: ContextVar[tuple[Listener, ...]] = ContextVar("mmattn_listeners", default=())
+# the facts every report inside a call adds (report_facts); never mutated, replaced
+_FACTS: ContextVar[Mapping[str, Any]] = ContextVar("mmattn_report_facts",
+                                                   default=MappingProxyType({}))
 
 
 def add_listener(listener: Listener) -> Callable[[], None]:
     """Call ``listener(record)`` for every attention call; returns the function that removes it.
+
+    Listeners are per context (``contextvars``): a listener added in one thread hears the
+    calls of that thread only.
 
     A record holds ``path`` (``"fused"``, ``"explicit"``, ``"local"``, ``"packed"``, ...),
     ``reasons`` (why not fused; empty when fused) and the call's tensors and settings
@@ -87,31 +95,32 @@ def add_listener(listener: Listener) -> Callable[[], None]:
     its weights are then softmax over softcap(q kᵀ · scale) + ``mask`` (the reported mask
     holds the ALiBi term) and the sink logit of each head.
     """
-    _LISTENERS.append(listener)
+    _LISTENERS.set((*_LISTENERS.get(), listener))
 
     def remove() -> None:
-        if listener in _LISTENERS:
-            _LISTENERS.remove(listener)
+        current = _LISTENERS.get()
+        if listener in current:
+            _LISTENERS.set(tuple(other for other in current if other is not listener))
 
     return remove
 
 
 def reporting() -> bool:
     """True while a listener wants path reports (so callers can skip building them)."""
-    return bool(_LISTENERS)
+    return bool(_LISTENERS.get())
 
 
 def report(path: str, reasons: list[str] | None = None, **facts: Any) -> None:
     """Tell every listener that an attention call took ``path``, and why (see add_listener)."""
-    record = {"path": path, "reasons": list(reasons or []), **_FACTS[-1], **facts}
-    for listener in list(_LISTENERS):
+    record = {"path": path, "reasons": list(reasons or []), **_FACTS.get(), **facts}
+    for listener in _LISTENERS.get():
         listener(record)
 
 
-def current_facts() -> dict[str, Any]:
+def current_facts() -> Mapping[str, Any]:
     """The facts :func:`report_facts` adds around the step running now (a packed bucket's
     ``items``, ...); empty outside every block."""
-    return _FACTS[-1]
+    return _FACTS.get()
 
 
 @contextmanager
@@ -119,11 +128,11 @@ def report_facts(**facts: Any) -> Iterator[None]:
     """Add ``facts`` to every path report made inside the block (the bucket a layer's own
     kernel runs on, for the listeners that map its rows back to the items; the engine and
     why, for a fallback)."""
-    _FACTS.append({**_FACTS[-1], **facts})
+    token = _FACTS.set(MappingProxyType({**_FACTS.get(), **facts}))
     try:
         yield
     finally:
-        _FACTS.pop()
+        _FACTS.reset(token)
 
 
 def explicit_reasons(need_weights: bool, modifiers: Modifiers | None = None) -> list[str]:
@@ -238,7 +247,7 @@ def sdpa(
     else:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=groups > 1,
+            enable_gqa=_mods.gqa_flag(groups),
         )
     if out.shape[-1] != value_width:
         out = out[..., :value_width]
@@ -439,7 +448,7 @@ def attend(
     if is_causal and (mask is not None or explicit or bias is not None):
         mask = with_causal(mask, q.shape[-2], k.shape[-2], q.device)
         is_causal = False
-    if report_path and _LISTENERS:
+    if report_path and _LISTENERS.get():
         report(
             "explicit" if explicit else "fused", explicit_reasons(need_weights, mods), q=q, k=k,
             v=v, mask=_mods.with_bias(mask, bias), dropout_p=dropout_p, is_causal=is_causal,

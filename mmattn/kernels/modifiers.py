@@ -39,20 +39,22 @@ above it call these.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmattn._features import features
 from mmattn._helpers import exporting
 
 __all__ = ["Modifiers", "alibi_slopes", "distance", "sink_sdpa", "sink_softmax", "with_bias"]
 
 #: torch's CPU flash kernel (it returns the logsumexp) and its backward, and the dtypes it
 #: takes: the one place the kernels (here, :mod:`mmattn.kernels._block_sparse_cpu`) name them.
-FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+                         None)
 FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -137,18 +139,26 @@ class Modifiers:
             found.append("alibi")
         return found
 
+    def replace(self, **changes: object) -> Modifiers:
+        """The same modifiers with these fields changed: ``dataclasses.replace`` written out,
+        which every torch.compile traces (torch 2.5's dynamo skips ``dataclasses.replace``).
+        """
+        fields = {"sinks": self.sinks, "slopes": self.slopes, "softcap": self.softcap,
+                  "q_pos": self.q_pos, "k_pos": self.k_pos, "bias": self.bias}
+        return Modifiers(**{**fields, **changes})
+
     def at(self, q_pos: Tensor | None, k_pos: Tensor | None) -> Modifiers:
         """The same modifiers with ALiBi measured between these positions."""
-        return replace(self, q_pos=q_pos, k_pos=k_pos, bias=None)
+        return self.replace(q_pos=q_pos, k_pos=k_pos, bias=None)
 
     def with_terms(self, bias: Tensor | None) -> Modifiers:
         """The same modifiers with the ALiBi term already evaluated (see :attr:`bias`)."""
-        return replace(self, bias=bias)
+        return self.replace(bias=bias)
 
     def heads(self, start: int, stop: int) -> Modifiers:
         """The modifiers of query heads ``start .. stop - 1`` (a rank's heads)."""
-        return replace(
-            self, sinks=None if self.sinks is None else self.sinks[start:stop],
+        return self.replace(
+            sinks=None if self.sinks is None else self.sinks[start:stop],
             slopes=None if self.slopes is None else self.slopes[start:stop],
         )
 
@@ -284,17 +294,47 @@ def sink_sdpa(
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     rows = sinks[None, :, None, None]
     if cpu_flash_ok(q, mask, dropout_p):
+        if not features().cpu_flash_gqa:  # the kernel would read key heads out of bounds
+            k, v = repeat_kv(k, v, groups)
         return _LseSink.apply(q, k, v, rows, mask, is_causal, scale)
     return _sink_key(q, k, v, mask, rows, dropout_p, is_causal, scale, groups)
 
 
 def cpu_flash_ok(q: Tensor, mask: Tensor | None, dropout_p: float) -> bool:
     """Whether torch's CPU flash kernel (which returns the logsumexp) takes this call: the
-    one test of it (the sinks' path here, block-sparse's CPU path)."""
+    one test of it (the sinks' path here, block-sparse's CPU path). Grouped key heads are
+    the caller's (:func:`repeat_kv` where the kernel has none, ``features().cpu_flash_gqa``).
+    """
     return (
-        q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in FLASH_DTYPES
-        and not exporting() and not (mask is not None and mask.requires_grad)
+        features().cpu_flash and q.device.type == "cpu" and dropout_p == 0.0
+        and q.dtype in FLASH_DTYPES and not exporting()
+        and not (mask is not None and mask.requires_grad)
     )
+
+
+def repeat_kv(k: Tensor, v: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """Each key and value head repeated for its ``groups`` query heads (for a kernel without
+    grouped heads; autograd sums the repeats' gradients back).
+
+    Shape:
+        - k: (b, k, j, e); v: (b, k, j, f)
+        - returns: (b, k g, j, e), (b, k g, j, f)
+    """
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+def gqa_flag(groups: int) -> bool:
+    """SDPA's ``enable_gqa`` for ``groups`` query heads per key head, a Python bool.
+
+    Head counts can be symbolic (torch 2.5's ``torch.compile(dynamic=True)`` makes a
+    module's ints symbolic), and ``groups > 1`` then a SymBool, which that torch's SDPA
+    refuses; a branch on it is a guard instead, and the flag a constant.
+    """
+    if groups > 1:
+        return True
+    return False
 
 
 class _LseSink(torch.autograd.Function):
@@ -337,5 +377,5 @@ def _sink_key(
     column = rows.to(q.dtype).expand(lead, heads, span, 1)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=torch.cat([base, column], dim=-1), dropout_p=dropout_p, scale=scale,
-        enable_gqa=groups > 1,
+        enable_gqa=gqa_flag(groups),
     )

@@ -1,16 +1,17 @@
-"""Tiled 2-D neighbourhood attention, the O(L·k²) kernel of :class:`mmattn.NeighborhoodAttention`.
+"""Tiled N-D neighbourhood attention, the O(L·kᴺ) kernel of :class:`mmattn.NeighborhoodAttention`.
 
 Axis key: ``b`` batch, ``h`` query heads, ``k`` key/value heads, ``l`` tokens of an item,
 ``e`` head width, ``r`` flat rows (every item's tokens one after the other), ``n`` tiles,
 ``s`` query slots of a tile, ``t`` key slots of a tile, ``g`` global queries of an item,
 ``j`` keys of an item.
 
-Semantics are NATTEN's ``na2d`` (clamped windows, dilation), plus global tokens; the dense
-reference is :func:`mmattn.masks.neighborhood_mask`. The grid is cut into tiles of
-``th × tw`` queries; a tile's queries only reach a slab of ``(th + kh - 1) × (tw + kw - 1)``
-grid keys (windows are clamped inward, so the slab stays inside the grid) plus the item's
-global keys. Every tile is gathered at once and all run as ONE batched attention call with
-the exact window mask::
+Semantics are NATTEN's ``na1d`` / ``na2d`` / ``na3d`` (clamped windows, dilation, causal
+axes), plus global tokens; the dense reference is :func:`mmattn.masks.neighborhood_mask`.
+Grids have 1, 2 or 3 axes ((length,), (rows, cols), (frames, rows, cols)). The grid is cut
+into tiles of ``t_1 × … × t_N`` queries; a tile's queries only reach a slab of
+``(t_1 + k_1 - 1) × … × (t_N + k_N - 1)`` grid keys (windows are clamped inward or end at
+their query, so the slab stays inside the grid) plus the item's global keys. Every tile is
+gathered at once and all run as ONE batched attention call with the exact window mask::
 
     rows (r, h, e) ─gather q_index─▶ (n, h, s, e) ┐
     rows (r, k, e) ─gather k_index─▶ (n, k, t, e) ├─ attend(mask (n, 1, s, t)) ─▶ (n, h, s, e)
@@ -18,7 +19,7 @@ the exact window mask::
     global rows (b', h, g, e) attend all of their item's keys ──────┤
                                      cat(tiles, globals, zero) ─gather pick─▶ (r, h, e)
 
-Time and memory are O(L·(th + k - 1)(tw + k - 1)) in the forward and the backward; no
+Time and memory are O(L·∏(t_a + k_a - 1)) in the forward and the backward; no
 (L, L) tensor exists unless weights are requested. The tile plan (:mod:`._neighborhood_plan`)
 depends only on the geometry and is cached, bounded in bytes; a padded batch on one grid
 shares the plan of one item. The per-tile attention is :func:`mmattn.kernels.dense.attend`,
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn._helpers import exporting
+from mmattn._masks_grid import check_window
 from mmattn.kernels import _inputs, _routes
 from mmattn.kernels import dense as _kernel
 from mmattn.kernels._neighborhood import attend_padded, run_tiles
@@ -73,7 +75,7 @@ __all__ = [
     "padded_items",
 ]
 
-Grid = tuple[int, int]
+Grid = tuple[int, ...]
 
 
 def _per_item(value, count: int) -> list:
@@ -93,15 +95,16 @@ def padded_items(
 ) -> tuple[Item, ...]:
     """The items of a padded (b, l) batch: item m is flat rows ``[m·l, m·l + l)``.
 
-    ``grid`` is one (rows, cols) for every item or a list of per-item grids. Without
+    ``grid`` is one grid (1 to 3 sides) for every item or a list of per-item grids. Without
     ``grid_start`` the grid starts after ``num_global_tokens`` tokens and an item's tokens
     after its grid are padding (dead); with it every token outside the grid is global.
     """
     grids = [tuple(g) for g in grid] if isinstance(grid, list) else [tuple(grid)] * batch
     starts = _per_item(num_global_tokens if grid_start is None else grid_start, batch)
     return tuple(
-        Item(m * length, length, int(rows), int(cols), int(start), grid_start is not None)
-        for m, ((rows, cols), start) in enumerate(zip(grids, starts))
+        Item(m * length, length, tuple(int(n) for n in shape), int(start),
+             grid_start is not None)
+        for m, (shape, start) in enumerate(zip(grids, starts))
     )
 
 
@@ -117,10 +120,9 @@ def packed_items(
     grids = [tuple(g) for g in grid] if isinstance(grid, list) else [tuple(grid)] * count
     starts = _per_item(num_global_tokens if grid_start is None else grid_start, count)
     items, offset = [], 0
-    for length, (rows, cols), start in zip(lengths, grids, starts):
-        items.append(
-            Item(offset, int(length), int(rows), int(cols), int(start), grid_start is not None)
-        )
+    for length, shape, start in zip(lengths, grids, starts):
+        items.append(Item(offset, int(length), tuple(int(n) for n in shape), int(start),
+                          grid_start is not None))
         offset += int(length)
     return tuple(items)
 
@@ -128,19 +130,23 @@ def packed_items(
 def build_plan(
     total: int,
     items: tuple[Item, ...],
-    kernel: tuple[int, int],
-    dilation: tuple[int, int],
-    tiles: tuple[int, int],
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    tiles: tuple[int, ...],
     device: torch.device | str,
+    *,
+    causal: bool | tuple[bool, ...] = False,
 ) -> Plan:
     """The tile plan of ``items`` laid out in ``total`` flat rows, for :func:`neighborhood_rows`.
 
     Cached (bounded in bytes); ``items`` come from :func:`padded_items` or
-    :func:`packed_items`, ``tiles`` from :func:`choose_tiles`.
+    :func:`packed_items`, ``tiles`` from :func:`choose_tiles`; ``kernel``, ``dilation``,
+    ``tiles`` and ``causal`` have one entry per grid axis (an int or bool: every axis).
 
     Raises:
         TypeError / ValueError: an item whose grid does not fit its rows, items that
-            overlap or leave ``[0, total)``; an even kernel, a dilation or tile side < 1.
+            overlap or leave ``[0, total)``, items of different numbers of axes; an even
+            kernel, a dilation or tile side < 1; per-axis arguments of another length.
 
     Examples:
         >>> items = packed_items([6, 4], [(2, 3), (2, 2)])
@@ -149,8 +155,9 @@ def build_plan(
         >>> plan.pick.shape, plan.width
         (torch.Size([10]), 6)
     """
-    items, kernel, dilation, tiles = _inputs.check_items(total, items, kernel, dilation, tiles)
-    return cached_plan(total, items, kernel, dilation, tiles, device)
+    items, kernel, dilation, tiles, causal = _inputs.check_items(
+        total, items, kernel, dilation, tiles, causal)
+    return cached_plan(total, items, kernel, dilation, tiles, device, causal)
 
 
 def neighborhood_rows(
@@ -208,7 +215,7 @@ def neighborhood_rows(
         )
     _inputs.check_key_mask(key_mask, (q.shape[0],), q, "(r,)")
     _inputs.check_options(dropout_p, scale, need_weights)
-    _inputs.check_modifiers(modifiers, table, q.shape[1], plan.key[3], q)
+    _inputs.check_modifiers(modifiers, table, q.shape[1], plan.key.kernel, q)
     out, weights = run_tiles(
         q[None], k[None], v[None], plan, None if key_mask is None else key_mask[None],
         dropout_p=dropout_p, scale=scale, need_weights=need_weights,
@@ -222,16 +229,17 @@ def neighborhood_attend(
     k: Tensor,
     v: Tensor,
     grid: Grid | Sequence[Grid],
-    kernel_size: int | tuple[int, int],
+    kernel_size: int | tuple[int, ...],
     *,
-    dilation: int | tuple[int, int] = (1, 1),
+    dilation: int | tuple[int, ...] = 1,
+    causal: bool | tuple[bool, ...] = False,
     num_global_tokens: int = 0,
     grid_start: int | Sequence[int] | None = None,
     key_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
-    tiles: tuple[int, int] | None = None,
+    tiles: tuple[int, ...] | None = None,
     modifiers: Modifiers | None = None,
     table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
@@ -239,9 +247,13 @@ def neighborhood_attend(
 
     Args:
         q, k, v: queries, keys, values of one length ``l``.
-        grid: one (rows, cols) for every item, or a list of per-item grids (item m's grid
-            covers its tokens ``[g, g + rows_m · cols_m)``; the rest of the item is padding).
-        kernel_size, dilation: (kh, kw) and (dh, dw) (or one int for both); kernels odd.
+        grid: one grid for every item ((length,), (rows, cols) or (frames, rows, cols)), or
+            a list of per-item grids with one number of axes (item m's grid covers its
+            tokens ``[g, g + prod(grid_m))``; the rest of the item is padding).
+        kernel_size, dilation: one int per grid axis, or one int for every axis; kernels
+            odd.
+        causal: one bool per grid axis (NATTEN's ``is_causal``), or one for every axis: on
+            a causal axis a query's window is the (at most) k positions ending at it.
         num_global_tokens: ``g``; the first g tokens see and are seen by every token.
         grid_start: the grid's first token (int or per item) when the grid sits inside the
             sequence; every token outside the grid is then global.
@@ -253,16 +265,17 @@ def neighborhood_attend(
             ALiBi's distance is Euclidean between grid cells, 0 for a pair with a global
             token (:mod:`._neighborhood_terms`).
         table: ((2 kh − 1)(2 kw − 1), h) relative-position bias table in Swin's layout
-            (NAT's ``rpb``), or None.
+            (NAT's ``rpb``; 2-D grids only), or None.
 
     Shape:
         - q: (b, h, l, e); k, v: (b, k, l, e) with ``k`` dividing ``h``
         - returns: (b, h, l, e) and (b, h, l, l) weights or None
 
     Raises:
-        TypeError / ValueError: tensors that do not fit together; a grid that is not
-            (rows, cols) ints or does not fit the length; an even kernel, a dilation < 1;
-            modifiers or a table of other heads or another window.
+        TypeError / ValueError: tensors that do not fit together; a grid that is not 1 to 3
+            ints or does not fit the length; an even kernel, a dilation < 1; a per-axis
+            kernel, dilation or causal of another length than the grid's axes; modifiers or
+            a table of other heads or another window, a table on a grid that is not 2-D.
         NotImplementedError: while exporting, per-item grids or ``need_weights``.
 
     Examples:
@@ -270,6 +283,10 @@ def neighborhood_attend(
         >>> out, _ = neighborhood_attend(q, k, v, (8, 8), (3, 3))
         >>> out.shape
         torch.Size([2, 4, 64, 16])
+        >>> video = torch.randn(1, 2, 4 * 6 * 6, 16)
+        >>> neighborhood_attend(video, video, video, (4, 6, 6), (3, 5, 5),
+        ...                     causal=(True, False, False))[0].shape
+        torch.Size([1, 2, 144, 16])
     """
     _inputs.check_heads(q, k, v, "(b, h, l, e)")
     batch, heads, length, _ = q.shape
@@ -278,16 +295,10 @@ def neighborhood_attend(
             f"q and k must have the same length (self-attention on a grid), got q "
             f"{tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    kernel = checks.check_kernel("kernel_size", kernel_size)
-    dilation = checks.check_pair("dilation", dilation, what="(rows, cols)")
     num_global_tokens = checks.check_positive_int("num_global_tokens", num_global_tokens,
                                                   minimum=0)
     _inputs.check_key_mask(key_mask, (batch, length), q, "(b, l)")
     _inputs.check_options(dropout_p, scale, need_weights)
-    _inputs.check_modifiers(modifiers, table, heads, kernel, q)
-    modifiers = modifiers or None
-    if tiles is not None:
-        tiles = checks.check_pair("tiles", tiles, what="(rows, cols)")
     shared = not (_inputs.is_grid_list(grid) or isinstance(grid_start, (Sequence, Tensor)))
     traced = exporting() or not isinstance(batch, int)  # symbolic batch: one item's plan
     if traced:
@@ -300,10 +311,16 @@ def neighborhood_attend(
         grid, grid_start, [length] * (1 if shared else batch), num_global_tokens,
         packed=False,
     )
+    shape = grid[0] if isinstance(grid, list) else grid
+    kernel, dilation, causal = check_window(shape, kernel_size, dilation, causal)
+    _inputs.check_modifiers(modifiers, table, heads, kernel, q)
+    modifiers = modifiers or None
+    if tiles is not None:
+        tiles = checks.check_axes("tiles", tiles, len(shape), grid=shape)
     choice = None
     if not traced and batch and length:  # CUDA (or forced): an engine first
         out, choice = _routes.neighborhood(
-            q, k, v, grid, kernel, dilation,
+            q, k, v, grid, kernel, dilation, causal,
             first=num_global_tokens if grid_start is None else grid_start, key_mask=key_mask,
             dropout_p=dropout_p, need_weights=need_weights, modifiers=modifiers, table=table,
             scale=scale)
@@ -315,8 +332,9 @@ def neighborhood_attend(
             **_routes.fallback(choice),
             q=q, k=k, v=v,
             mask=key_mask, dropout_p=dropout_p, is_causal=False, scale=scale,
-            kernel_size=kernel, dilation=dilation, num_global_tokens=num_global_tokens,
-            grid=grid, grid_start=grid_start, modifiers=modifiers, position_bias=table,
+            kernel_size=kernel, dilation=dilation, causal=causal,
+            num_global_tokens=num_global_tokens, grid=grid, grid_start=grid_start,
+            modifiers=modifiers, position_bias=table,
         )
     if not traced and (batch == 0 or length == 0):
         return _kernel.attend(q, k, v, None, need_weights=need_weights, report_path=False)
@@ -326,7 +344,8 @@ def neighborhood_attend(
         grid_start=grid_start,
     )
     return attend_padded(
-        q, k, v, items, kernel, dilation, tiles, shared=shared, key_mask=key_mask,
+        q, k, v, items, kernel, dilation, tiles, causal=causal, shared=shared,
+        key_mask=key_mask,
         dropout_p=dropout_p, scale=scale, need_weights=need_weights, modifiers=modifiers,
         table=table,
     )
@@ -348,7 +367,8 @@ def weight_tiles(record: dict) -> Iterator[Tile]:
                              num_global_tokens=record["num_global_tokens"],
                              grid_start=record["grid_start"])
         plan = build_plan(batch * length, items, kernel, dilation,
-                          choose_tiles(items, kernel, dilation), q.device)
+                          choose_tiles(items, kernel, dilation), q.device,
+                          causal=tuple(record["causal"]))
         q, k = (rearrange(t, "b h l e -> (b l) h e") for t in (q, k))
         key_mask = None if key_mask is None else key_mask.reshape(-1)
     rows, heads, _ = q.shape
@@ -396,7 +416,7 @@ def _grid_term(record: dict, plan: Plan, q: Tensor):
     if slopes is None and table is None:
         return None
     coords = plan_coords(plan)
-    kernel, dilation = tuple(record["kernel_size"]), tuple(record["dilation"])
+    kernel, dilation = plan.key.kernel, plan.key.dilation
 
     def term(q_rows: Tensor, k_rows: Tensor) -> Tensor:
         return pair_terms(coords, q_rows, k_rows, slopes=slopes, table=table, kernel=kernel,

@@ -23,7 +23,6 @@ keys run torch's own jagged SDPA (flash / memory-efficient varlen kernels) inste
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from mmattn._jagged import (  # noqa: F401
 )
 from mmattn.kernels import _inputs
 from mmattn.kernels import dense as _kernel
+from mmattn.kernels._neighborhood_plan import ByteCache
 
 #: Fixed cost of one attention call (forward + backward, with its gathers and bookkeeping) in
 #: units of one (query, key) score of a width-1 model: a score costs about ``width`` flops
@@ -158,12 +158,17 @@ def _padded_index(lens: Tensor, items: Tensor, widths: Tensor) -> tuple[Tensor, 
     return index.clamp(max=max(int(lens.sum()) - 1, 0)), slot_start
 
 
-@functools.lru_cache(maxsize=64)
+#: Layouts by lengths: the kernels' byte-bounded, thread-safe LRU cache (a layout holds the
+#: device index tensors of a batch, about 6 MB at 64 items of 4,096 tokens; 64 MiB in all).
+_LAYOUTS = ByteCache(64 * 2**20)
+
+
 def layout(
     q_lens: tuple[int, ...], k_lens: tuple[int, ...], k_real: tuple[int, ...], cost_key: tuple,
     width: int, device: torch.device,
 ) -> Layout:
-    """The cached :class:`Layout` for these lengths (blocks of one model reuse it).
+    """The cached :class:`Layout` for these lengths (blocks of one model reuse it; a new
+    batch's lengths are a new entry, and the oldest go once the cache holds 64 MiB).
 
     Args:
         q_lens, k_lens: per-item lengths to plan with (``k_lens`` counts appended keys).
@@ -172,6 +177,26 @@ def layout(
         width: the model width (sets the fixed cost of a call, see :data:`CALL_WORK`).
         device: where the indices live.
     """
+    key = (q_lens, k_lens, k_real, cost_key, width, str(device))
+    found = _LAYOUTS.get(key)
+    if found is None:
+        found = _make_layout(q_lens, k_lens, k_real, cost_key, width, device)
+        tensors = [found.q_index, found.k_index, found.rows,
+                   *(m for m in found.key_masks if m is not None)]
+        found = _LAYOUTS.put(key, found, sum(t.nbytes for t in tensors))
+    return found
+
+
+def clear_layouts() -> None:
+    """Forget every cached :class:`Layout` (tests that change the planner's costs)."""
+    _LAYOUTS.clear()
+
+
+def _make_layout(
+    q_lens: tuple[int, ...], k_lens: tuple[int, ...], k_real: tuple[int, ...], cost_key: tuple,
+    width: int, device: torch.device,
+) -> Layout:
+    """:func:`layout` without the cache."""
     cost = _band_cost(*cost_key) if cost_key else None
     buckets = tuple(plan(list(q_lens), list(k_lens), cost, call_work(device) / max(width, 1)))
     items = torch.tensor([m for b in buckets for m in b.items], dtype=torch.long)

@@ -12,8 +12,9 @@ Token attributes come from ``Tokens.meta`` (DESIGN, fourth wave):
   ``meta["modality_ids"]`` (b, l) indexing ``meta["modalities"]`` and ``meta["segments"]``
   (b, l), -1 = none;
 - grids: ``meta[name]["grid"]`` / ``["grids"]`` placed at ``meta["spans"][name]``, else
-  ``meta["grid"]`` / ``meta["grids"]`` from position 0 (``"grids"``: a list of (rows, cols)
-  or a (b, 2) integer tensor);
+  ``meta["grid"]`` / ``meta["grids"]`` from position 0 (1 to 3 sides; ``"grids"``: a list of
+  them or a (b, a) integer tensor), read by :mod:`._grids`;
+- per-token ids: ``meta[key]`` (b, l), or each span's ``meta[name][key]`` placed at it;
 - edges: ``meta["edge_index"]`` (2, E), flat ``b * l + i``, sources then targets.
 
 Everything is read once per :class:`TokenContext` and cached; a missing key raises a
@@ -22,8 +23,7 @@ ValueError naming it. Nothing here builds an (l, l) tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from torch import Tensor
 from mmattn import _checks as checks
 from mmattn._helpers import ceil_div
 from mmattn._token_meta import check_spans
+from mmattn.patterns._grids import Grid, placed_ids, read_grid
 from mmattn.tokens import Tokens
 
 #: Larger than any position or id (pads tile minima), and its negative (pads maxima).
@@ -43,18 +44,6 @@ Bound = tuple[Tensor, Tensor]
 
 #: A prepared rule: ``rule(b, q, k)`` on broadcastable index tensors, pure indexing.
 Rule = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class Grid:
-    """Per-token grid coordinates: grid id (-1 outside every grid), row, column, and the
-    (rows, cols) of the token's grid (1 outside). Each (b, l) int64."""
-
-    gid: Tensor
-    row: Tensor
-    col: Tensor
-    rows: Tensor
-    cols: Tensor
 
 
 class TokenContext:
@@ -96,19 +85,29 @@ class TokenContext:
 
     # ------------------------------------------------------------------ per-token ids
 
-    def ids(self, key: str) -> Tensor:
-        """``meta[key]`` as a checked (B, L) int64 tensor (for :func:`mmattn.patterns.same`)."""
-        return self.cached(("ids", key), lambda: self._ids(key))
+    def ids(self, key: str, need: str | None = None) -> Tensor:
+        """``meta[key]`` as a checked (B, L) int64 tensor (for :func:`mmattn.patterns.same`,
+        ``P.causal(by=key)``); in fused Tokens without it, each span's own
+        ``meta[name][key]`` placed at its span (-1 elsewhere). ``need`` names the pattern
+        in the error for a missing key."""
+        return self.cached(("ids", key), lambda: self._ids(key, need or f"P.same({key!r})"))
 
-    def _ids(self, key: str) -> Tensor:
-        if key not in self.meta:
-            raise self.missing(key, f"P.same({key!r})", "a (batch, length) integer tensor")
-        return self._check_ids(f"meta[{key!r}]", self.meta[key])
+    def _ids(self, key: str, need: str) -> Tensor:
+        if key in self.meta:
+            return self._check_ids(f"meta[{key!r}]", self.meta[key])
+        placed = placed_ids(self, key, lambda name, value, width: self._check_ids(
+            name, value, width))
+        if placed is None:
+            raise self.missing(key, need, "a (batch, length) integer tensor, or a span's "
+                               f"meta[name][{key!r}]")
+        return placed
 
-    def _check_ids(self, name: str, value: object) -> Tensor:
+    def _check_ids(self, name: str, value: object, length: int | None = None) -> Tensor:
         checks.check_tensor(name, value)
         checks.check_integer_dtype(name, value, "one id per token")
-        checks.check_shape(name, value, (self.batch, self.length), "(batch, length)")
+        width = self.length if length is None else length
+        checks.check_shape(name, value, (self.batch, width), "(batch, length)")
+        checks.check_has_data(name, value)
         return value.to(self.device, torch.long)
 
     def span_mask(self, start: Tensor, stop: Tensor) -> Tensor:
@@ -193,49 +192,10 @@ class TokenContext:
 
     # ------------------------------------------------------------------ geometry
 
-    def grid(self, need: str) -> Grid:
-        """Per-token grid coordinates; ValueError naming ``"grid"`` when there is none."""
-        return self.cached("grid", lambda: self._grid(need))
-
-    def _grid(self, need: str) -> Grid:
-        placed = []  # (start per item (B,), stop per item (B,), dims per item (B, 2))
-        for name, (start, stop) in (self.spans() or {}).items():
-            sub = self.meta.get(name)
-            dims = _grid_dims(sub, f"meta[{name!r}]", self.batch) if isinstance(
-                sub, Mapping) else None
-            if dims is not None:
-                placed.append((start, stop, dims))
-        if not placed:
-            dims = _grid_dims(self.meta, "meta", self.batch)
-            if dims is None:
-                raise ValueError(
-                    f"{need} needs a grid: meta['grid'] / meta['grids'] (image tokens, e.g. "
-                    "ImagePatcher) or meta[name]['grid'] of a span (MultiModalEncoder); the "
-                    f"tokens' meta has keys {sorted(map(str, self.meta))}"
-                )
-            zero = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-            placed.append((zero, zero + self.length, dims))
-        shape = (self.batch, self.length)
-        gid = torch.full(shape, -1, dtype=torch.long, device=self.device)
-        row, col = torch.zeros_like(gid), torch.zeros_like(gid)
-        rows, cols = torch.ones_like(gid), torch.ones_like(gid)
-        for index, (start, stop, dims) in enumerate(placed):
-            dims = dims.to(self.device)
-            size = dims[:, 0] * dims[:, 1]
-            if self.length and bool((size > stop - start).any()):  # L = 0: nothing placed
-                raise ValueError(
-                    f"grid {dims.tolist()} has more cells than the {(stop - start).tolist()} "
-                    "tokens it is placed on; meta 'grid' must describe the tokens"
-                )
-            local = self.positions - start[:, None]  # (B, L)
-            inside = (local >= 0) & (local < size[:, None])
-            width = dims[:, 1:2]
-            gid = torch.where(inside, index, gid)
-            row = torch.where(inside, local // width, row)
-            col = torch.where(inside, local % width, col)
-            rows = torch.where(inside, dims[:, 0:1], rows)
-            cols = torch.where(inside, width, cols)
-        return Grid(gid, row, col, rows, cols)
+    def grid(self, need: str, names: tuple[str, ...] | None = None) -> Grid:
+        """Per-token grid coordinates (of the spans in ``names`` only, when given);
+        ValueError naming ``"grid"`` when there is none (:func:`._grids.read_grid`)."""
+        return self.cached(("grid", names), lambda: read_grid(self, need, names))
 
     def edges(self) -> Tensor:
         """Sorted unique pair keys ``(b * L + target) * L + source`` of ``meta["edge_index"]``
@@ -254,6 +214,7 @@ class TokenContext:
             raise ValueError(
                 f"meta['edge_index'] must have shape (2, E), got {tuple(edges.shape)}"
             )
+        checks.check_has_data("meta['edge_index']", edges)
         edges = edges.to(self.device, torch.long)
         checks.check_range("meta['edge_index']", edges, 0, self.batch * self.length, "B * L")
         source, target = edges[0], edges[1]
@@ -261,33 +222,6 @@ class TokenContext:
         same_item = source // length == target // length
         keys = target * length + source % length
         return torch.unique(keys[same_item])  # sorted
-
-
-def _grid_dims(meta: Mapping[str, Any], where: str, batch: int) -> Tensor | None:
-    """(B, 2) int64 grid of each item from ``meta['grid']`` / ``meta['grids']``, or None."""
-    if "grid" in meta:
-        rows, cols = checks.check_grid(f"{where}['grid']", meta["grid"])
-        return torch.tensor([rows, cols], dtype=torch.long).expand(batch, 2)  # also B = 0
-    if "grids" in meta:
-        grids = meta["grids"]
-        if isinstance(grids, Tensor):  # (B, 2), as NeighborhoodAttention takes it
-            return _grid_table(f"{where}['grids']", grids, batch)
-        if not isinstance(grids, Sequence) or len(grids) != batch:
-            raise ValueError(
-                f"{where}['grids'] must hold one (rows, cols) per item ({batch}), got {grids!r}"
-            )
-        pairs = [checks.check_grid(f"{where}['grids'][{b}]", g) for b, g in enumerate(grids)]
-        return torch.tensor(pairs, dtype=torch.long).reshape(batch, 2)
-    return None
-
-
-def _grid_table(name: str, grids: Tensor, batch: int) -> Tensor:
-    """A (B, 2) integer tensor of per-item (rows, cols), each >= 1, as int64 on the CPU."""
-    checks.check_integer_dtype(name, grids, "(rows, cols) of each item")
-    checks.check_shape(name, grids, (batch, 2), "(batch, 2): one (rows, cols) per item")
-    if grids.numel() and not torch.compiler.is_compiling() and bool((grids < 1).any()):
-        raise ValueError(f"{name} must hold sides >= 1, got {grids.tolist()}")
-    return grids.to("cpu", torch.long)
 
 
 class Tiles:

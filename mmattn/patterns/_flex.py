@@ -16,7 +16,6 @@ the tables are (b, n, n) with n = ceil(L / s).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -24,24 +23,28 @@ import torch
 from torch import Tensor
 
 from mmattn._jagged import runs_of
-
-#: The smallest tile FlexAttention runs exactly: torch 2.14's compiled CPU kernel gives wrong
-#: numbers at BLOCK_SIZE=8 (even from its own create_block_mask); 16 and above are right.
-MIN_FLEX_BLOCK = 16
+from mmattn.kernels.engines import FLEX_MIN_BLOCK, available, flex_block_refusal
 
 #: Tile table entries besides a mixed tile's index.
 FULL, EMPTY = -2, -1
 
 
-def flex_block_size(block: int) -> int:
-    """``block`` when FlexAttention runs it exactly, else a ValueError naming ``block_size``."""
-    if block % MIN_FLEX_BLOCK:
+def flex_block_size(block: int, device: torch.device) -> int:
+    """``block`` when FlexAttention tiles it exactly on ``device``, else a ValueError naming
+    ``block_size`` (:func:`mmattn.kernels.engines.flex_block_refusal`)."""
+    why = flex_block_refusal(block, device.type)
+    if why is None:
+        return block
+    if block % FLEX_MIN_BLOCK:
         raise ValueError(
-            f"block_mask() needs block_size a multiple of {MIN_FLEX_BLOCK} (FlexAttention's "
-            f"BLOCK_SIZE; below {MIN_FLEX_BLOCK} its compiled CPU kernel is not exact), got "
+            f"block_mask() needs block_size a multiple of {FLEX_MIN_BLOCK} (FlexAttention's "
+            f"BLOCK_SIZE; below {FLEX_MIN_BLOCK} its compiled CPU kernel is not exact), got "
             f"{block}: compile the pattern with block_size=16, 32, 64 or 128"
         )
-    return block
+    raise ValueError(
+        f"block_mask() on {device.type} needs block_size a power of two >= {FLEX_MIN_BLOCK} "
+        f"({why}), got {block}: compile the pattern with block_size=64 or 128"
+    )
 
 
 def kv_blocks(tiles: Tensor, batch: int, n: int) -> tuple[Tensor, Tensor]:
@@ -83,19 +86,11 @@ def tile_mask_mod(table: Tensor, masks: Tensor, block: int) -> Callable[..., Ten
     return mask_mod
 
 
-def _from_kv_blocks_kwargs(length: int) -> dict[str, Any]:
-    """The optional arguments this torch's ``BlockMask.from_kv_blocks`` takes (detected)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    params = inspect.signature(BlockMask.from_kv_blocks).parameters
-    return {"seq_lengths": (length, length)} if "seq_lengths" in params else {}
-
-
 def build_block_mask(mask: Any) -> Any:
     """``SparseMask.block_mask()``: see there."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    block = flex_block_size(mask.block_size)
+    block = flex_block_size(mask.block_size, mask.device)
     batch, n = mask.batch, mask.tiles_per_axis
     full_tiles = mask.full_tiles.to(mask.device)
     num, idx = kv_blocks(mask.mixed_tiles, batch, n)
@@ -104,5 +99,6 @@ def build_block_mask(mask: Any) -> Any:
                              mask.mixed_masks, block)
     return BlockMask.from_kv_blocks(
         num, idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
-        **_from_kv_blocks_kwargs(mask.length),
+        **({"seq_lengths": (mask.length, mask.length)} if available().flex_seq_lengths
+           else {}),
     )

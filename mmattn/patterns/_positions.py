@@ -14,6 +14,7 @@ from torch import Tensor
 from mmattn import _checks as checks
 from mmattn.patterns._base import Bound, Pattern
 from mmattn.patterns._context import Rule, Tiles, TokenContext, k_axis, q_axis
+from mmattn.patterns._frames import CausalBy
 from mmattn.patterns._segments import SegmentForm
 
 __all__ = ["full", "causal", "window", "chunked"]
@@ -87,11 +88,15 @@ class Chunked(Pattern):
         return ctx.cached(("chunks", self.chunk), lambda: ctx.offsets() // self.chunk)
 
     def prepare(self, ctx: TokenContext) -> Rule:
-        chunks, left, right = self._chunks(ctx), self.left, self.right
+        chunks = self._chunks(ctx)
+        # each query's lowest and highest key chunk as tables: inside, lookups and compares
+        # only (a Python int, or arithmetic with a scalar, beside a lookup makes inductor's
+        # CPU flex kernel fail to build under dynamic shapes; docs/decisions.md)
+        lo, hi = chunks - self.left, chunks + self.right
 
         def rule(b: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            cq, ck = chunks[b, q], chunks[b, k]
-            return (ck >= cq - left) & (ck <= cq + right)
+            ck = chunks[b, k]
+            return (ck >= lo[b, q]) & (ck <= hi[b, q])
 
         return rule
 
@@ -117,15 +122,34 @@ def full() -> Pattern:
     return Full()
 
 
-def causal() -> Pattern:
-    """Query q may attend key k iff k <= q (positions in the sequence).
+def causal(by: str | None = None) -> Pattern:
+    """Query q may attend key k iff k <= q (positions in the sequence); with ``by``, iff
+    ``ids[k] <= ids[q]`` for the per-token ids ``meta[by]``.
+
+    ``by="frames"`` (VideoPatcher's frame index of each tubelet) lets every token see its
+    whole frame and every earlier frame of its item, as frame-causal video models do; any
+    meta key of (B, L) integer ids works ("chunks", "images", ...), also each span's own
+    ``meta[name][by]`` in fused Tokens (placed at the span). Negative ids attend and are
+    attended by nothing, as in :func:`same`. It streams frame by frame with a
+    :class:`~mmattn.cache.ChunkCache` (docs/patterns.md, "Frame-causal video").
+
+    Args:
+        by: None (positions), or a meta key of per-token integer ids.
+
+    Raises:
+        TypeError: ``by`` is neither None nor a str. ValueError (on use): the meta lacks
+            ``by`` (the message names it), ids of another shape than (B, L).
 
     Examples:
         >>> from mmattn import Tokens, patterns as P
         >>> P.causal().dense(Tokens(torch.zeros(1, 3, 4)))[0].int().tolist()
         [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+        >>> frames = torch.tensor([[0, 0, 1, 1, -1]])
+        >>> t = Tokens(torch.zeros(1, 5, 4), meta={"frames": frames})
+        >>> P.causal(by="frames").dense(t)[0].int().tolist()
+        [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]]
     """
-    return Causal()
+    return Causal() if by is None else CausalBy(by)
 
 
 def window(w: int) -> Pattern:

@@ -141,7 +141,8 @@ class SparseMask:
 
         Raises:
             ValueError: :attr:`block_size` is not a multiple of 16 (FlexAttention's compiled
-                CPU kernel is not exact below 16).
+                CPU kernel is not exact below 16), or on CUDA not a power of two (flex's
+                CUDA kernel tiles only those).
 
         Examples:
             >>> from mmattn import Tokens, patterns as P

@@ -1,6 +1,6 @@
 """Pictures of attention: heatmaps with token labels, maps over image patches, spectrogram
-frames and graph nodes, per-head grids, one patch's neighbourhood window, and the
-modality-to-modality attention mass of every layer.
+frames, graph nodes and video tubelets, per-head grids, one patch's neighbourhood window,
+and the modality-to-modality attention mass of every layer.
 
 Axis key: ``h`` heads, ``i`` query length, ``j`` key length, ``r``/``c`` patch-grid rows and
 columns, ``m`` mel bins, ``n`` graph nodes.
@@ -31,6 +31,7 @@ from mmattn.viz.maps import attention_heatmap, head_grid
 from mmattn.viz.mass import modality_mass
 from mmattn.viz.modalities import audio_attention, graph_attention, image_attention
 from mmattn.viz.neighborhood import neighborhood_attention
+from mmattn.viz.video import video_attention
 
 __all__ = [
     "attention_heatmap",
@@ -41,4 +42,5 @@ __all__ = [
     "label_font",
     "modality_mass",
     "neighborhood_attention",
+    "video_attention",
 ]

@@ -29,8 +29,8 @@ def test_builtin_adapters_are_registered_and_created_by_name():
 
 
 def test_create_unknown_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"name must be one of .*'text'.*got 'video'"):
-        adapters.create("video", embed_dim=8)
+    with pytest.raises(ValueError, match=r"name must be one of .*'text'.*got 'hologram'"):
+        adapters.create("hologram", embed_dim=8)
 
 
 def test_subclass_registers_and_duplicates_are_refused(clean_registry):

@@ -23,6 +23,7 @@ PICTURES = {
     "graph_sbm": ["graph_sbm_attention.png"],
     "text_recall": ["text_recall_attention.png"],
     "multimodal_match": ["multimodal_match_mass.png"],
+    "video_digits": ["video_digits_frame.png"],
 }
 
 
@@ -128,3 +129,41 @@ def test_pattern_pictures_draw_every_primitive_and_recipe(tmp_path, capsys):
     names = {label.split("\n")[-1].split("(")[0] for label, _, _ in pattern_pictures.PRIMITIVES}
     assert {"P.full", "P.causal", "P.window", "P.chunked", "P.same", "P.modality",
             "P.neighborhood", "P.edges"} == names
+
+
+def test_video_digits_is_frame_causal_and_places_tokens_in_space_and_time():
+    """What the example relies on: M-RoPE positions from the clip's grid, no video token
+    sees a later time step, the caption reads the whole clip but no later byte."""
+    import torch
+
+    from examples import video_digits as ex
+
+    torch.manual_seed(0)
+    images, labels = torch.rand(3, 1, 8, 8), torch.tensor([3, 1, 4])
+    video, text, _ = ex.make_clips(images, labels, torch.Generator().manual_seed(0))
+    model = ex.VideoCaptioner().eval()
+    tokens = model.tokens(video, text)
+    steps, rows, cols = ex.GRID
+    cells = steps * rows * cols
+    pos = tokens.meta["positions"][0]
+    assert pos[rows * cols + cols + 2].tolist() == [1, 1, 2]  # step 1, row 1, column 2
+    assert pos[cells].tolist() == [max(rows, cols)] * 3  # the caption starts after the clip
+    assert torch.equal(tokens.meta["frames"][0, :cells],
+                       torch.arange(steps).repeat_interleave(rows * cols))
+
+    def encode(clip, caption):
+        t = model.tokens(clip, caption)
+        return model.fusion.encoder(t, attn_mask=model.attn_mask(t)).x
+
+    with torch.no_grad():
+        base = encode(video, text)
+        last = video.clone()
+        last[:, :, -ex.TUBELET[0]:] = 0.0  # the last time step changed
+        moved = encode(last, text)
+        later = text.clone()
+        later[:, 5:] = text[0, 0]
+        rewritten = encode(video, later)
+    earlier = (steps - 1) * rows * cols
+    assert torch.allclose(moved[:, :earlier], base[:, :earlier], atol=1e-5)
+    assert not torch.allclose(moved[:, cells:], base[:, cells:], atol=1e-5)  # caption reads it
+    assert torch.allclose(rewritten[:, : cells + 5], base[:, : cells + 5], atol=1e-5)

@@ -11,6 +11,7 @@ import torch
 
 from mmattn import Tokens
 from mmattn import patterns as P
+from tests._features import needs
 from tests.mmattn._pattern_cases import (
     Naive,
     fused_tokens,
@@ -123,6 +124,7 @@ def test_runs():
     assert P.runs(torch.tensor([5, 5])).tolist() == [0, 0]
 
 
+@needs("vmap_index")
 def test_mask_mod_matches_dense():
     pattern = P.per_modality(within={"image": P.neighborhood(3), "graph": P.edges()},
                              across=P.causal()) & ~P.window(0)

@@ -10,6 +10,7 @@ import torch
 
 from mmattn import Tokens
 from mmattn import patterns as P
+from tests._features import needs
 from tests.mmattn._pattern_cases import fused_tokens, per_modality_pattern
 from tests.mmattn.test_patterns_compile import LargeAllocations, long_fused
 from tests.mmattn.test_patterns_mask_mod import HostReads
@@ -31,6 +32,7 @@ def tiles_per_row(tiles: torch.Tensor, batch: int, n: int) -> torch.Tensor:
     return counts
 
 
+@needs("block_mask_seq_lengths")
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("pattern", [PER_MODALITY, P.same("documents") & P.causal(),
                                      ~P.full(), P.full()], ids=["per-modality", "docs",
@@ -55,6 +57,7 @@ def test_block_counts_are_the_sparse_masks_tiles(pattern, block):
     assert mask.block_mask() is bm  # cached
 
 
+@needs("vmap_index")
 def test_mask_mod_is_the_exact_mask():
     mask = PER_MODALITY.compile(FUSED, block_size=16)
     mask_mod = mask.block_mask().mask_mod

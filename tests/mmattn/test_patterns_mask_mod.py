@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmattn import Tokens
 from mmattn import patterns as P
+from tests._features import needs
 from tests.mmattn._pattern_cases import (
     fused_tokens,
     interleaved_tokens,
@@ -62,6 +63,7 @@ def test_mask_mod_graph_has_no_tensor_constant(name):
     assert "lift_fresh" in made
 
 
+@needs("vmap_index")
 def test_mask_mod_equals_dense_on_every_pair():
     b, q, k = torch.meshgrid(*(torch.arange(n) for n in (2, FUSED.length, FUSED.length)),
                              indexing="ij")

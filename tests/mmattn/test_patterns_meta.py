@@ -24,6 +24,24 @@ def spans_tokens(spans, batch: int = 2, length: int = 6) -> Tokens:
     return Tokens(torch.zeros(batch, length, 4), meta={"spans": spans})
 
 
+# ---------------------------------------------------------------------- meta on the meta device
+
+
+@pytest.mark.parametrize("key, pattern, value", [
+    ("documents", P.same("documents"), torch.zeros(2, 6, dtype=torch.long, device="meta")),
+    ("edge_index", P.edges(), torch.zeros(2, 3, dtype=torch.long, device="meta")),
+], ids=["same_ids", "edge_index"])
+def test_meta_device_values_are_refused_naming_the_key(key, pattern, value):
+    """Ids or edges without data (the meta device) cannot be read: a ValueError naming the
+    key, from compile and dense alike (issue 41)."""
+    tokens = Tokens(torch.randn(2, 6, 8), meta={key: value})
+    match = rf"meta\['{key}'\] is on the meta device and holds no data"
+    with pytest.raises(ValueError, match=match):
+        pattern.compile(tokens, 8)
+    with pytest.raises(ValueError, match=match):
+        pattern.dense(tokens)
+
+
 # ---------------------------------------------------------------------- modalities (item 2)
 
 

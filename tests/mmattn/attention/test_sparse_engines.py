@@ -11,8 +11,10 @@ import torch
 
 from mmattn import MultiHeadAttention
 from mmattn import patterns as P
+from mmattn._features import features
 from mmattn.debug import explain
 from mmattn.kernels import engines
+from tests._features import needs, reason
 from tests.conftest import DEVICES
 from tests.mmattn._pattern_cases import fused_tokens
 
@@ -45,6 +47,7 @@ def run(mha, tokens, mask, engine):
         return explain(mha, tokens.x, attn_mask=mask, key_padding_mask=kpm)
 
 
+@needs("flex_cpu")
 @pytest.mark.parametrize("mods", list(MODS))
 def test_sparse_flex_cpu_forward(mods):
     tokens = fused_tokens(64)
@@ -76,6 +79,8 @@ def test_sparse_flex_cpu_forward(mods):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_flex_compiled_once_for_new_masks(device):
+    if device == "cpu" and not features().flex_cpu:
+        pytest.skip(reason("flex_cpu"))
     """New masks are new data for the one compiled flex_attention, not new graphs. On CUDA
     any pattern (another count of partial tiles makes torch.compile mark that size dynamic
     once, on the second mask); on the CPU, whose flex compiles static sizes only, a new

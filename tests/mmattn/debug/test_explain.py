@@ -102,7 +102,7 @@ def test_model_unchanged_afterwards():
     for k, v in model.named_buffers():
         assert torch.equal(v, buffers[k]), k  # BatchNorm's running stats were restored
     assert torch.equal(torch.get_rng_state(), rng)  # dropout draws left no trace
-    assert not _kernel._LISTENERS
+    assert not _kernel.reporting()
 
 
 def test_reasons_match_the_cause():

@@ -22,6 +22,7 @@ from mmattn import (
 )
 from mmattn.debug import attention_mass, record_attention, top_keys
 from mmattn.kernels import dense as _kernel
+from tests._features import needs
 
 D, H = 16, 4
 EDGES = torch.tensor([[0, 1, 2, 3, 7, 8, 9, 15, 16, 20, 24],
@@ -392,6 +393,7 @@ def test_more_groups_than_the_head_width_and_a_sequence_first_layer():
 
 @pytest.mark.pins_path
 @pytest.mark.usefixtures("fused_only")  # MMATTN_FUSED_ATTN=0 keeps the engines off
+@needs("flex_cpu")
 @pytest.mark.parametrize("name", ["local-global-causal", "neighborhood"])
 def test_the_mass_runs_on_the_engine_the_layer_uses(name):
     """With the flex engine forced (its CPU forward), every step of the call runs on flex,

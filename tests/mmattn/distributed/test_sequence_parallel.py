@@ -16,11 +16,14 @@ from torch import nn
 from mmattn import LocalAttention, MultiHeadAttention, Tokens, TransformerBlock
 from mmattn.distributed import SequenceParallel
 from tests import _dist_worker as worker
+from tests._features import FSDP2_REASON, fsdp2
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
 
 TIMEOUT = 240.0  # seconds for a whole launch; a healthy one takes a fraction of it
-TWO_RANKS = ["ddp", "ddp_unused", "fsdp", "sp_errors", *(f"sp_{c}" for c in worker.SP_CASES)]
+FSDP2 = pytest.mark.skipif(not fsdp2(), reason=FSDP2_REASON)
+TWO_RANKS = ["ddp", "ddp_unused", *(["fsdp"] if fsdp2() else []), "sp_errors",
+             *(f"sp_{c}" for c in worker.SP_CASES)]
 FOUR_RANKS = [f"sp_{c}" for c in worker.SP_CASES]
 
 
@@ -128,6 +131,7 @@ def test_ddp_gradients_equal_full_batch(two, name):
             _assert_grads(got, ref)
 
 
+@FSDP2
 def test_fsdp2_gradients_equal_full_batch(two):
     results, _ = two
     want = _reference_grads()
@@ -137,6 +141,7 @@ def test_fsdp2_gradients_equal_full_batch(two):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@FSDP2
 def test_dcp_saved_by_two_ranks_loads_into_one(two):
     import torch.distributed.checkpoint as dcp
 

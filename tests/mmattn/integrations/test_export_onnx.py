@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._features import needs
 from tests.mmattn.integrations import _export_onnx as onnx_checks
 from tests.mmattn.integrations._export_cases import CASES, SIZES
 
@@ -25,7 +26,7 @@ from mmattn.integrations.export import DecodeStep  # noqa: E402
 # ONNX Runtime round trips: seconds each, so the explicit pass of `make test`
 # (-m "not slow") skips them;
 # the fused pass runs them, and each path of theirs is checked with MMATTN_FUSED_ATTN=0 by hand.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("is_exporting")]
 
 LAYERS = [c for c in CASES if c.attention]
 STEPS = 16

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests._features import needs
 from tests.mmattn.integrations import _export_onnx as onnx_checks
 from tests.mmattn.integrations._export_cases import CASES, SIZES
 
 # ONNX Runtime round trips: seconds each, so the explicit pass of `make test`
 # (-m "not slow") skips them;
 # the fused pass runs them, and each path of theirs is checked with MMATTN_FUSED_ATTN=0 by hand.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("is_exporting")]
 
 onnx_checks.skip_without_onnx()
 

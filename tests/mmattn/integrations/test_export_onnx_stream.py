@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._features import needs
 from tests.mmattn.integrations import _export_onnx as onnx_checks
 
 onnx_checks.skip_without_onnx()
@@ -27,7 +28,7 @@ from tests.mmattn.integrations.test_export_stream import (  # noqa: E402
 )
 
 # ONNX Runtime round trips: seconds each; the fused pass of `make test` runs them.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"), needs("is_exporting")]
 
 
 

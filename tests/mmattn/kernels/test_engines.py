@@ -3,6 +3,8 @@ varlen argument builders (mmattn.kernels.varlen) against hand-computed values.""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -13,8 +15,9 @@ from mmattn.kernels.varlen import offsets, row_offsets, runs, window_size
 pytestmark = [pytest.mark.pins_path, pytest.mark.usefixtures("fused_only")]
 
 
-ALL = Available(varlen=True, varlen_window=True, varlen_gqa=True, flex=True)
-TORCH_2_11 = Available(varlen=True, varlen_window=True, varlen_gqa=False, flex=True)
+ALL = Available(varlen=True, varlen_window=True, varlen_gqa=True, flex=True, flex_aux=True)
+TORCH_2_11 = Available(varlen=True, varlen_window=True, varlen_gqa=False, flex=True,
+                       flex_aux=True)
 NONE = Available()
 BF16 = torch.bfloat16
 
@@ -167,8 +170,10 @@ def test_segment_runs_of_a_compiled_pattern():
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_segment_varlen_cuda(device):
-    """A SparseMask of documents & causal on varlen (bf16) equals the fallback, with the
-    tokens' own padding as key_padding_mask; explain names varlen."""
+    """A SparseMask of documents & causal on varlen (bf16) equals the fallback (the mask
+    holds its tokens' padding: no key_padding_mask); explain names varlen. With a key
+    padding mask the automatic choice is flex (no host read compares it with the
+    padding), and the numbers are the same."""
     from mmattn import MultiHeadAttention
     from mmattn import patterns as P
     from mmattn.debug import explain
@@ -178,15 +183,16 @@ def test_segment_varlen_cuda(device):
     x = torch.randn(2, 8, 128, device=device, dtype=torch.bfloat16)
     mask = (P.same("documents") & P.causal()).compile(tokens, block_size=16)
     res = {}
-    for engine in ("varlen", "fallback"):
+    for engine, kpm in (("varlen", None), ("fallback", ~tokens.mask), ("flex", ~tokens.mask)):
         xi = x.clone().requires_grad_()
-        with engines.use(engine):
-            report = explain(mha, xi, attn_mask=mask, key_padding_mask=~tokens.mask)
+        with engines.use(engine) if engine != "flex" else contextlib.nullcontext():
+            report = explain(mha, xi, attn_mask=mask, key_padding_mask=kpm)
         out = report.output[0]
         res[engine] = (out, *torch.autograd.grad(out.float().square().sum(), xi))
         assert report[0].engine == engine
-    for a, b in zip(res["varlen"], res["fallback"]):
-        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 2e-2
+    for engine in ("varlen", "flex"):
+        for a, b in zip(res[engine], res["fallback"]):
+            assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 2e-2
 
 
 def test_varlen_takes_values_wider_than_the_queries():

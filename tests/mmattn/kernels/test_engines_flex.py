@@ -17,6 +17,7 @@ from mmattn.debug import explain
 from mmattn.kernels import engines
 from mmattn.kernels.blocked import local_attend
 from mmattn.kernels.modifiers import Modifiers
+from tests._features import needs
 from tests.conftest import DEVICES
 
 B, H, KV, L, E = 2, 4, 2, 40, 16
@@ -75,6 +76,7 @@ MODS = {
 }
 
 
+@needs("flex_cpu")
 @pytest.mark.parametrize("mods", list(MODS))
 def test_local_flex_cpu_forward(mods):
     q, k, v, key_ok = inputs()
@@ -98,6 +100,7 @@ def test_local_flex_cpu_forward(mods):
     assert torch.equal(dirty, flex)
 
 
+@needs("flex_cpu")
 def test_local_flex_cpu_causal_explain():
     """The engine a module ran, in explain: flex when forced, the fallback's reason when
     the call needs autograd on the CPU, none considered by default."""
@@ -153,6 +156,7 @@ def test_local_engines_cuda_grad(device, mods):
             assert ((a.float() - b.float()).abs().max() / scale).item() < 2e-2
 
 
+@needs("flex_cpu")
 def test_neighborhood_flex_cpu_forward():
     """NeighborhoodAttention's window as a flex mask_mod (rectangular kernel, dilation,
     global tokens, ALiBi on grid distances, softcap, GQA, key padding) == the tiled kernel

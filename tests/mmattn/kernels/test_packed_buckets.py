@@ -30,10 +30,10 @@ CALL = 100.0  # the fixed cost of a call, in score units (width 16 default: 51,2
 @pytest.fixture(autouse=True)
 def _cheap_calls(monkeypatch):
     """Lower the per-call cost for these tests (layouts are cached: clear them both ways)."""
-    _packed.layout.cache_clear()
+    _packed.clear_layouts()
     monkeypatch.setattr(_packed, "CALL_WORK", CALL * E)
     yield
-    _packed.layout.cache_clear()
+    _packed.clear_layouts()
 
 
 def _buckets(module, q_lens, k_lens) -> list:

@@ -67,6 +67,27 @@ def test_image_attention_uses_the_patch_grid(tmp_path):
     assert overlay.get_extent() == [-0.5, 15.5, 23.5, -0.5]
 
 
+def test_video_attention_draws_each_time_step_and_greys_what_is_not_allowed(tmp_path):
+    import adapters
+
+    patcher = adapters.VideoPatcher(8, tubelet=(2, 4, 4), in_channels=1, positional=None)
+    video = torch.rand(1, 8, 12, 16)  # (C, F, H, W)
+    tokens = patcher(video[None])  # grid (4, 3, 4), tubelet (2, 4, 4)
+    attention = torch.rand(48)
+    allowed = torch.arange(48) >= 12  # nothing in step 0
+    path = tmp_path / "video.png"
+    fig = viz.video_attention(attention, video, tokens, query=47, allowed=allowed, path=path)
+    check_picture(fig, path)
+    top, bottom = fig.axes[:4], fig.axes[4:8]
+    assert [ax.get_title() for ax in top] == ["frame 1", "frame 3", "frame 5", "frame 7"]
+    assert [ax.get_title() for ax in bottom] == [f"step {t}: {0 if t == 0 else 12} keys"
+                                                 for t in range(4)]
+    grid = torch.as_tensor(bottom[1].get_images()[0].get_array().filled(float("nan")))
+    torch.testing.assert_close(grid, attention[12:24].reshape(3, 4))
+    assert torch.as_tensor(bottom[0].get_images()[0].get_array().mask).all()  # grey
+    assert len(bottom[3].lines) == 1 and not bottom[2].lines  # the query's cross
+
+
 def test_audio_attention(tmp_path):
     spec = torch.randn(50, 20)
     path = tmp_path / "audio.png"
@@ -93,6 +114,10 @@ def test_graph_attention(tmp_path):
          r"\(2, 8\).*\(4, 4\)"),
         (lambda: viz.audio_attention(torch.rand(9), torch.rand(10, 4)),
          r"\(9,\).*\(10, 4\)"),
+        (lambda: viz.video_attention(torch.rand(17), torch.rand(4, 8, 8), (2, 3, 3)),
+         r"\(17,\).*\(2, 3, 3\) \(18 tubelets\)"),
+        (lambda: viz.video_attention(torch.rand(18), torch.rand(1, 8, 8), (2, 3, 3)),
+         r"one frame per time step \(2\)"),
         (lambda: viz.graph_attention(torch.rand(5), RING, num_nodes=6),
          r"\(5,\).*6 nodes"),
         (lambda: viz.graph_attention(torch.rand(5), RING), r"node 5 .* 5 nodes"),
