@@ -18,6 +18,7 @@ from torch import nn
 
 from mmattn import Encoder, MultiHeadAttention, Tokens, TransformerBlock
 from mmattn import patterns as P
+from mmattn.rotary import MultiAxisRotary, mrope_positions
 
 DTYPE = torch.float64
 D = 8
@@ -38,6 +39,14 @@ def documents_tokens() -> Tokens:
     mask = torch.ones(2, 37, dtype=torch.bool)
     mask[1, 30:] = False
     return Tokens(torch.randn(2, 37, D, generator=gen, dtype=DTYPE), mask, {"documents": docs})
+
+
+def mrope_tokens() -> Tokens:
+    """:func:`fused_tokens` with their multi-axis positions in ``meta["positions"]`` (text
+    advancing every axis, the image's cells at (s, s + row, s + column))."""
+    tokens = fused_tokens()
+    tokens.meta["positions"] = mrope_positions(tokens)
+    return tokens
 
 
 def fused_tokens() -> Tokens:
@@ -79,15 +88,25 @@ class Case:
         return module, tokens, mask, grad
 
     def attention_kwargs(self, tokens: Tokens) -> dict:
+        """The call's keywords on the full sequence (``plan.scatter`` makes them local)."""
         kwargs = {"is_causal": True} if self.causal else {}
         if self.padding:
             kwargs["key_padding_mask"] = ~tokens.full_mask()
+        if "positions" in tokens.meta:
+            kwargs["positions"] = tokens.meta["positions"]
         return kwargs
 
 
 def _encoder() -> Encoder:
     torch.manual_seed(9)
     encoder = Encoder(D, 2, 2, pattern=P.same("documents") | P.window(1), causal=True)
+    return encoder.to(DTYPE).eval()
+
+
+def _mrope_encoder() -> Encoder:
+    torch.manual_seed(12)
+    encoder = Encoder(D, 2, 1, pattern=PER_MODALITY, attention_kwargs={
+        "position": MultiAxisRotary(D, (2, 1, 1))})
     return encoder.to(DTYPE).eval()
 
 
@@ -117,6 +136,11 @@ CASES = {
     "encoder": Case(_encoder, documents_tokens),
     # a causal block given a SparseMask: the Tokens' padding and causal rule are added
     "block_mask": Case(_block, fused_tokens, PER_MODALITY),
+    # multi-axis rotary positions (M-RoPE) given per token, scattered like the rows
+    "mrope": Case(lambda: _attention(heads=1, position=MultiAxisRotary(D, (2, 1, 1))),
+                  mrope_tokens, PER_MODALITY),
+    # an Encoder whose blocks hand meta["positions"] to their MultiAxisRotary
+    "mrope_encoder": Case(_mrope_encoder, mrope_tokens),
     # one tile in all: the other ranks hold no rows (and still join every exchange)
     "one_tile": Case(lambda: _attention(sinks=True), lambda: Tokens(
         torch.randn(1, 3, D, generator=torch.Generator().manual_seed(11), dtype=DTYPE)),
@@ -152,6 +176,8 @@ def run_context(name: str, outdir: Path) -> dict:
         kwargs = case.attention_kwargs(tokens)
         if "key_padding_mask" in kwargs:
             kwargs["key_padding_mask"] = ~local.mask
+        if "positions" in kwargs:
+            kwargs["positions"] = local.meta["positions"]
         out, _ = cp(x, attn_mask=plan, **kwargs)
     else:
         out = cp(local.replace(x), attn_mask=plan).x

@@ -10,9 +10,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from mmattn.attention._positions import check_positions
 from mmattn.distributed.context_plan import ContextPlan
 from mmattn.distributed.sequence_parallel import _local_error
-from mmattn.rotary import RotaryEmbedding
+from mmattn.rotary import MultiAxisRotary, RotaryEmbedding
 from mmattn.tokens import Tokens
 
 
@@ -29,7 +30,7 @@ def attention_error(attn: nn.Module, plan: ContextPlan, query: Any, key: Any, va
         return error
     rows = query.shape[:2] if attn.batch_first else query.shape[1::-1]
     return _rows_error(plan, "query", tuple(rows), query.device) or _position_error(
-        [attn], plan, positions, tuple(rows))
+        [attn], plan, positions, tuple(rows), query)
 
 
 def tokens_error(module: nn.Module, plan: ContextPlan, tokens: Any) -> str:
@@ -47,9 +48,11 @@ def tokens_error(module: nn.Module, plan: ContextPlan, tokens: Any) -> str:
         return (f"tokens.x must have the module's dtype {weight.dtype} and device "
                 f"{weight.device}, got {x.dtype} on {x.device}")
     blocks = module.blocks if hasattr(module, "blocks") else [module]
+    positions = tokens.meta.get("positions")
+    layers = [block.attn for block in blocks]
     return _rows_error(plan, "tokens.x", tuple(x.shape[:2]), x.device) or _position_error(
-        [block.attn for block in blocks], plan, tokens.meta.get("positions"),
-        tuple(x.shape[:2]))
+        [a for a in layers if a.position is not None or positions is None], plan, positions,
+        tuple(x.shape[:2]), x)
 
 
 def _rows_error(plan: ContextPlan, name: str, rows: tuple[int, int], device) -> str:
@@ -63,26 +66,24 @@ def _rows_error(plan: ContextPlan, name: str, rows: tuple[int, int], device) -> 
     return ""
 
 
-def rotary_ok(attn: nn.Module) -> bool:
-    """Whether ContextParallel places ``attn.position`` without given positions (a rotary
-    embedding, at the rows' positions in their items)."""
-    return attn.position is None or isinstance(attn.position, RotaryEmbedding)
+def takes_positions(attn: nn.Module) -> bool:
+    """Whether ``attn.position`` places per-token positions (a rotary embedding, one axis
+    or several), so that ContextParallel can give it the rows' own."""
+    return attn.position is None or isinstance(attn.position, (RotaryEmbedding,
+                                                               MultiAxisRotary))
 
 
 def _position_error(layers: list[nn.Module], plan: ContextPlan, positions: Any,
-                    rows: tuple[int, int]) -> str:
-    if positions is not None:
-        if not isinstance(positions, Tensor) or tuple(positions.shape[:2]) != rows or \
-                positions.dim() not in (2, 3):
-            got = tuple(positions.shape) if isinstance(positions, Tensor) else \
-                type(positions).__name__
-            return (f"positions must be this rank's per-token positions (1, R) or (1, R, A) "
-                    f"with (1, R) = {rows} (plan.scatter(positions)), got {got}")
-        return ""
+                    rows: tuple[int, int], like: Tensor) -> str:
     for attn in layers:
-        if not rotary_ok(attn):
+        if positions is not None:
+            try:  # the layers' own check of forward(positions=), on this rank's rows
+                check_positions(attn, positions, rows[0], rows[1], like)
+            except (ValueError, TypeError) as error:
+                return str(error)
+        elif not takes_positions(attn):
             return (f"ContextParallel places position={type(attn.position).__name__} only "
                     "with per-token positions (its rows are not contiguous): give "
                     "positions= (plan.scatter of the full-sequence positions), or use "
-                    "position='rotary'")
+                    "position='rotary' or a MultiAxisRotary")
     return ""

@@ -34,6 +34,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mmattn.attention._modifiers import score_modifiers
+from mmattn.attention._positions import rotate
 from mmattn.attention._sparse import takes_sparse_mask
 from mmattn.attention.mha import MultiHeadAttention
 from mmattn.blocks._pattern import BLOCK_SIZE, compile_for, run_blocks
@@ -45,7 +46,6 @@ from mmattn.distributed.context_plan import ContextPlan, build_plan
 from mmattn.distributed.sequence_parallel import _heads, refuse_extra_keys
 from mmattn.kernels import block_sparse
 from mmattn.patterns import SparseMask
-from mmattn.rotary import apply_rotary, rotary_cos_sin
 from mmattn.tokens import Tokens
 
 __all__ = ["ContextParallel", "context_plan"]
@@ -294,7 +294,7 @@ def attend_rows(attn: MultiHeadAttention, plan: ContextPlan, x: Tensor, real: Te
         - returns: (1, r, d)
     """
     q, k, v = _heads(attn, x, x, x)  # (1, h, r, e), (1, k, r, e), (1, k, r, f)
-    q, k = _position(attn, q, plan, positions), _position(attn, k, plan, positions)
+    q, k = _position(attn, q, k, plan, positions)
     kv_heads, width = k.shape[1], k.shape[1] * k.shape[3]
     columns = [rearrange(k, "b k r e -> (b r) (k e)"), rearrange(v, "b k r f -> (b r) (k f)")]
     if real is not None:  # padding flags travel with the rows they belong to
@@ -335,18 +335,17 @@ def _exchange(rows: Tensor, plan: ContextPlan, group) -> Tensor:
     return frame.index_copy(0, plan.own_index, rows).index_copy(0, plan.recv_index, received)
 
 
-def _position(attn: MultiHeadAttention, x: Tensor, plan: ContextPlan,
-              positions: Tensor | None) -> Tensor:
-    """``attn.position`` on head-split rows at their true positions: the given per-token
-    ``positions`` (``position(x, positions)``, DESIGN's sixth wave), or else a rotary
-    embedding at the rows' positions in their items."""
-    position = attn.position
-    if position is None:
-        return x
-    if positions is not None:
-        return position(x, positions)
-    cos, sin = rotary_cos_sin(plan.padded, position.dim, base=position.base, device=x.device,
-                              dtype=x.dtype)
-    index = plan.positions.to(x.device)
-    return apply_rotary(x, cos[index], sin[index])
-
+def _position(attn: MultiHeadAttention, q: Tensor, k: Tensor, plan: ContextPlan,
+              positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``attn.position`` on head-split queries and keys at their positions: the given
+    per-token ``positions`` (as the layer's ``forward(positions=)``), or else the rows'
+    positions in their items (what the one-process call's offset 0 gives them; every axis
+    of a multi-axis module at that position, as its offset does)."""
+    if attn.position is None:
+        return q, k
+    if positions is None:
+        positions = plan.positions.to(q.device)[None]
+        axes = getattr(attn.position, "num_axes", None)
+        if axes is not None:
+            positions = positions[..., None].expand(-1, -1, axes)
+    return rotate(attn, q, k, positions)
