@@ -187,7 +187,7 @@ def write_docs(name: str, body: str, *, device: str = "cpu", page: str = "perfor
     return path
 
 
-def _proc_status(field: str) -> int:
+def proc_status(field: str) -> int:
     """Bytes of one ``/proc/self/status`` field (``VmRSS``, ``VmHWM``)."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -205,9 +205,44 @@ def peak_rss_growth(call: Callable[[], object]) -> int:
     """
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    base = _proc_status("VmRSS")
+    base = proc_status("VmRSS")
     call()
-    return _proc_status("VmHWM") - base
+    return proc_status("VmHWM") - base
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: float) -> object:
+    """Run ``worker(rank, world, port, *args, out)`` in ``world`` spawned processes (a
+    ``torch.distributed`` group of them, rendezvous on 127.0.0.1:port) and return what rank
+    0 wrote as JSON to ``out``; processes still alive after ``timeout`` seconds are killed.
+
+    Raises:
+        RuntimeError: nothing was written (a rank failed or was killed).
+    """
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker, args=(r, world, port, *args, str(out)))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if not out.exists():
+            raise RuntimeError(f"P={world} failed (exit codes {[p.exitcode for p in procs]})")
+        return json.loads(out.read_text())
 
 
 def print_child_peak(peak: int) -> None:

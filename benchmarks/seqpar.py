@@ -17,27 +17,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import add_docs_argument, markdown_table, write_docs  # noqa: E402
+from _harness import (  # noqa: E402
+    add_docs_argument,
+    markdown_table,
+    proc_status,
+    spawn_ranks,
+    write_docs,
+)
 
 EMBED, HEADS, WINDOW = 512, 8, 128
 GIB = 1024**3
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _worker(rank: int, world: int, port: int, length: int, repeats: int, out: str) -> None:
@@ -67,9 +64,9 @@ def _worker(rank: int, world: int, port: int, length: int, repeats: int, out: st
     shard.grad = None
     attn.zero_grad(set_to_none=True)
     Path("/proc/self/clear_refs").write_text("5")
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     times = [step()]
-    peak = _status("VmHWM") - base
+    peak = proc_status("VmHWM") - base
     times += [step() for _ in range(repeats - 1)]
     result = {"rank": rank, "times": times, "peak": peak, "threads": threads}
     every = [None] * world
@@ -77,35 +74,6 @@ def _worker(rank: int, world: int, port: int, length: int, repeats: int, out: st
     if rank == 0:
         Path(out).write_text(json.dumps(every))
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run(world: int, length: int, repeats: int, timeout: float) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, length, repeats, str(out)))
-                 for r in range(world)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        if not out.exists():
-            raise RuntimeError(f"P={world} failed (exit codes {[p.exitcode for p in procs]})")
-        return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -122,7 +90,7 @@ def main() -> None:
     cores = os.cpu_count() or 1
     rows, base = [], None
     for world in worlds:
-        ranks = run(world, length, repeats, timeout=1800)
+        ranks = spawn_ranks(_worker, world, (length, repeats), timeout=1800)
         steps = [max(r["times"][i] for r in ranks) for i in range(repeats)]
         seconds = statistics.median(steps)
         peak = max(r["peak"] for r in ranks) / GIB

@@ -1,4 +1,4 @@
-"""Worker processes for tests/mmattn/distributed/test_sequence_parallel.py (gloo on the CPU).
+"""Worker processes for tests/mmattn/distributed/ (gloo on the CPU).
 
 :func:`launch` starts ``world`` processes that each run :func:`_main`: join a gloo group, run
 the named scenarios, and ``torch.save`` what they computed (outputs, gradients, error
@@ -24,6 +24,7 @@ from torch import nn
 
 import adapters
 from mmattn import LocalAttention, MaskedPool, MultiHeadAttention, Tokens, TransformerBlock
+from tests._dist_context import SCENARIOS as CONTEXT_SCENARIOS
 
 DTYPE = torch.float64
 VOCAB, D, H = 40, 8, 2
@@ -246,6 +247,7 @@ def _sp_errors(outdir: Path):
 
 
 SCENARIOS: dict[str, Callable[[Path], object]] = {
+    **CONTEXT_SCENARIOS,  # tests/_dist_context.py
     "ddp": lambda out: _ddp(False, out),
     "ddp_unused": lambda out: _ddp(True, out),
     "fsdp": _fsdp,
@@ -258,7 +260,7 @@ def _main(rank: int, world: int, port: int, outdir: str, scenarios: list[str]) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=150)
     )
     results = {}
     try:

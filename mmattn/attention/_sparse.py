@@ -38,15 +38,21 @@ def is_sparse_mask(value: object) -> bool:
     return isinstance(value, SparseMask)
 
 
-def reject_sparse_mask(module: nn.Module, attn_mask: object) -> None:
-    """Raise a TypeError naming ``attn_mask`` when ``module`` cannot run a SparseMask."""
-    if not is_sparse_mask(attn_mask):
-        return
+def takes_sparse_mask(module: nn.Module) -> bool:
+    """Whether ``module`` runs a SparseMask (its class's ``takes_sparse_mask``, default:
+    whether it keeps MultiHeadAttention's plain attention step)."""
     takes = getattr(type(module), "takes_sparse_mask", None)
     if takes is None:
         plain = getattr(module, "_plain_attention", None)
         takes = bool(plain()) if callable(plain) else False
-    if not takes:
+    return takes
+
+
+def reject_sparse_mask(module: nn.Module, attn_mask: object) -> None:
+    """Raise a TypeError naming ``attn_mask`` when ``module`` cannot run a SparseMask."""
+    if not is_sparse_mask(attn_mask):
+        return
+    if not takes_sparse_mask(module):
         name = type(module).__name__
         raise TypeError(
             f"attn_mask: {name} does not take a SparseMask (a compiled pattern runs on "

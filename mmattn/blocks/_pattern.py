@@ -46,7 +46,8 @@ def uses_pattern(pattern: Pattern | None, attn_mask: object) -> bool:
     return pattern is not None or is_sparse_mask(attn_mask)
 
 
-def compile_for(pattern: Pattern, tokens: Tokens, attn_mask: object, causal: bool) -> SparseMask:
+def compile_for(pattern: Pattern, tokens: Tokens, attn_mask: object, causal: bool,
+                block_size: int = BLOCK_SIZE) -> SparseMask:
     """``pattern`` (``& P.causal()`` when ``causal``) compiled on ``tokens``."""
     if exporting():
         raise NotImplementedError(
@@ -61,7 +62,7 @@ def compile_for(pattern: Pattern, tokens: Tokens, attn_mask: object, causal: boo
         )
     if causal:
         pattern = pattern & causal_pattern()
-    return pattern.compile(tokens, BLOCK_SIZE)
+    return pattern.compile(tokens, block_size)
 
 
 def on_padded(tokens: Tokens, run: Callable[[Tokens], Tokens]) -> Tokens:
@@ -119,10 +120,15 @@ def encoder_forward(encoder: nn.Module, tokens: Tokens, attn_mask: Any) -> Token
     own = encoder.pattern is not None
     mask = compile_for(encoder.pattern, tokens, attn_mask, encoder.blocks[0].causal) if own \
         else attn_mask
+    return on_padded(tokens, lambda padded: run_blocks(encoder, padded, mask, own=own))
 
-    def run(padded: Tokens) -> Tokens:
-        for block in encoder.blocks:
-            padded = block._padded(padded, mask, own=own)
-        return padded.replace(padded.zero_padding(encoder.norm(padded.x)))
 
-    return on_padded(tokens, run)
+def run_blocks(encoder: nn.Module, padded: Tokens, mask: Any, *, own: bool,
+               attend: Callable[[nn.Module], Any] | None = None) -> Tokens:
+    """An Encoder's blocks and final norm on padded Tokens with this mask (``own``: see
+    ``TransformerBlock._padded``); ``attend(block)``: what runs each block's attention
+    (default: the block's own ``attn``)."""
+    for block in encoder.blocks:
+        padded = block._padded(padded, mask, own=own,
+                               attend=None if attend is None else attend(block))
+    return padded.replace(padded.zero_padding(encoder.norm(padded.x)))

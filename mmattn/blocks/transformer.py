@@ -202,9 +202,11 @@ class TransformerBlock(nn.Module):
         return self._padded(tokens, attn_mask, cache=cache)
 
     def _padded(self, tokens: Tokens, attn_mask: Any, *, own: bool = False,
-                cache: Any = None) -> Tokens:
+                cache: Any = None, attend: Any = None) -> Tokens:
         """The block on padded Tokens; ``own``: ``attn_mask`` was compiled from these Tokens
-        with the causal rule (no key padding or ``is_causal`` to add)."""
+        with the causal rule (no key padding or ``is_causal`` to add). ``attend``: what runs
+        the attention with ``self.attn``'s call (default ``self.attn``; context parallelism,
+        :mod:`mmattn.distributed`, gives its own)."""
         x = tokens.zero_padding()
         h = self.norm1(x)
         kwargs = {"is_causal": True} if self.causal and not own else {}
@@ -212,7 +214,8 @@ class TransformerBlock(nn.Module):
         if cache is not None:
             kwargs["cache"] = cache
         padding = None if own else tokens.key_padding_mask
-        attn, _ = self.attn(h, h, h, key_padding_mask=padding, attn_mask=attn_mask, **kwargs)
+        attend = self.attn if attend is None else attend
+        attn, _ = attend(h, h, h, key_padding_mask=padding, attn_mask=attn_mask, **kwargs)
         x = x + attn
         x = x + self.mlp(self.norm2(x))
         return tokens.replace(tokens.zero_padding(x))

@@ -14,6 +14,8 @@ gradient of a shard's keys and values includes what its neighbours' queries did 
   over ranks and hands each rank its own slice.
 - :func:`heads_to_sequence` / :func:`sequence_to_heads`: the two all-to-alls of Ulysses-style
   sequence parallelism for full attention (each is the other's backward).
+- :func:`exchange_rows`: rows of uneven counts to every rank (context parallelism's keys and
+  values); backward sends the gradients back the other way.
 
 Every rank of the group must call each step (forward and backward) in the same order, as
 with any collective.
@@ -235,6 +237,35 @@ def heads_to_sequence(x: Tensor, group=None) -> Tensor:
 def sequence_to_heads(x: Tensor, group=None) -> Tensor:
     """The inverse all-to-all of :func:`heads_to_sequence`: (b, h / p, p·n, e) -> (b, h, n, e)."""
     return _AllToAllHeads.apply(x, False, group)
+
+
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: Tensor, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all_rows(rows, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all_rows(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+    out = rows.new_empty(sum(recv), *rows.shape[1:])
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv,
+                           input_split_sizes=send, group=group)
+    return out
+
+
+def exchange_rows(rows: Tensor, send: list[int], recv: list[int], group=None) -> Tensor:
+    """One ``all_to_all_single`` of rows: the first ``send[0]`` rows go to rank 0, the next
+    ``send[1]`` to rank 1, ...; ``recv[p]`` rows come from rank p, in rank order.
+    Differentiable: backward sends the gradients of what came back where it came from.
+
+    Shape:
+        - rows: (sum(send), c); returns (sum(recv), c)
+    """
+    return _ExchangeRows.apply(rows, send, recv, group)
 
 
 def broadcast_mask(mask: Tensor, group=None) -> Tensor:

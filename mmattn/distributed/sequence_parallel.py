@@ -43,26 +43,11 @@ from mmattn._helpers import default
 from mmattn.attention._modifiers import score_modifiers
 from mmattn.attention.local import LocalAttention
 from mmattn.attention.mha import MultiHeadAttention
+from mmattn.distributed._agree import agree, require_group
 from mmattn.kernels.blocked import local_attend
 from mmattn.kernels.modifiers import join_sink
 
 __all__ = ["SequenceParallel", "all_reduce_grads"]
-
-_NO_GROUP = (
-    "SequenceParallel needs an initialised torch.distributed process group: call "
-    "torch.distributed.init_process_group(backend='gloo' or 'nccl', ...) first (torchrun "
-    "sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it)"
-)
-
-
-def _dist():
-    """``torch.distributed`` when a process group is initialised, else RuntimeError."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(_NO_GROUP)
-    return dist
-
 
 class SequenceParallel(nn.Module):
     r"""Run a :class:`~mmattn.LocalAttention` (or a full :class:`~mmattn.MultiHeadAttention`)
@@ -120,11 +105,7 @@ class SequenceParallel(nn.Module):
                 "mmattn.MultiHeadAttention (all-to-all over heads), got "
                 f"{type(attention).__name__}"
             )
-        if attention.bias_k is not None or attention.add_zero_attn:
-            raise ValueError(
-                "SequenceParallel does not support add_bias_kv or add_zero_attn (extra keys "
-                "that belong to no shard); build the attention without them"
-            )
+        refuse_extra_keys(attention, "SequenceParallel", "shard")
         self.attention = attention
         self.group = group
 
@@ -143,7 +124,7 @@ class SequenceParallel(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, None]:
         """Attend this rank's shard; see the class docstring."""
-        dist = _dist()
+        dist = require_group("SequenceParallel")
         attn, group = self.attention, self.group
         key = default(key, query)
         value = default(value, key)
@@ -154,7 +135,7 @@ class SequenceParallel(nn.Module):
         # Nothing of the input is read before the ranks agree: a rank with bad input still
         # joins the all-gather, and every rank raises the same error.
         batch_n = (0, 0) if error else tuple(query.shape[:2])
-        _agree(dist, group, batch_n, key_padding_mask is not None, causal, error)
+        _agree(group, batch_n, key_padding_mask is not None, causal, error)
         rank, ranks = dist.get_rank(group), dist.get_world_size(group)
         batch, n = query.shape[:2]
         q, k, v = _heads(attn, query, key, value)
@@ -184,6 +165,15 @@ class SequenceParallel(nn.Module):
         if not self.attention.batch_first:
             out = rearrange(out, "b n d -> n b d")
         return out, None
+
+
+def refuse_extra_keys(attn: MultiHeadAttention, who: str, where: str) -> None:
+    """Raise a ValueError for ``add_bias_kv`` / ``add_zero_attn``: keys of no rank's rows."""
+    if attn.bias_k is not None or attn.add_zero_attn:
+        raise ValueError(
+            f"{who} does not support add_bias_kv or add_zero_attn (extra keys that belong to "
+            f"no {where}); build the attention without them"
+        )
 
 
 def _heads(attn: MultiHeadAttention, query: Tensor, key: Tensor, value: Tensor):
@@ -352,10 +342,11 @@ def _global_rows(q, k, v, real, start, glob, causal, dropout_p, group, mods=None
     return (scale * outs).sum(dim=0)
 
 
-def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_mask) -> str:
+def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_mask,
+                 who: str = "SequenceParallel") -> str:
     """This rank's input error message, or "" (raised only after every rank has checked)."""
     if need_weights:
-        return "SequenceParallel does not gather attention weights: need_weights must be False"
+        return f"{who} does not gather attention weights: need_weights must be False"
     if attn_mask is not None:
         return "SequenceParallel takes no attn_mask (the band is the mask), got one"
     weight = attn.q_proj.weight
@@ -376,7 +367,7 @@ def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_m
             return (f"{name} must be a 3-D shard (B, n, {width}) (batch_first) or (n, B, "
                     f"{width}), got shape {tuple(t.shape)}")
         if t.shape[:2] != query.shape[:2]:
-            return (f"SequenceParallel is self-attention on one shard: {name} must have the "
+            return (f"{who} is self-attention on one shard: {name} must have the "
                     f"query's leading shape {tuple(query.shape[:2])}, got {tuple(t.shape)}")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
@@ -392,34 +383,19 @@ def _local_error(attn, query, key, value, key_padding_mask, need_weights, attn_m
     return ""
 
 
-def _agree(dist, group, batch_n, has_mask: bool, causal: bool, error: str) -> None:
-    """All-gather every rank's (error, batch, shard length, mask, causal) and raise the same
-    ValueError on every rank when something is off, before any halo exchange could hang."""
-    from mmattn.distributed import _halo
-
-    row = [1, 0, 0, 0, 0] if error else [0, *batch_n, int(has_mask), int(causal)]
-    mine = torch.tensor(row, dtype=torch.long, device=_halo.comm_device(group))
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    table = torch.stack(every).tolist()
-    bad = [r for r, row in enumerate(table) if row[0]]
-    if bad:  # every rank knows: all join one more gather, of the messages
-        messages = [None] * len(table)
-        dist.all_gather_object(messages, error, group=group)
-        if error:
-            raise ValueError(error)
-        raise ValueError(
-            f"SequenceParallel: rank(s) {bad} got bad input: "
-            + "; ".join(f"rank {r}: {messages[r]}" for r in bad)
-        )
-    widths = [tuple(row[1:3]) for row in table]
+def _agree(group, batch_n, has_mask: bool, causal: bool, error: str) -> None:
+    """Every rank's (error, batch, shard length, mask, causal), agreed before any halo
+    exchange could hang (:func:`~mmattn.distributed._agree.agree`): the same ValueError on
+    every rank when something is off."""
+    table = agree(group, "SequenceParallel", error, [*batch_n, int(has_mask), int(causal)], 4)
+    widths = [tuple(row[:2]) for row in table]
     if len(set(widths)) > 1:
         raise ValueError(
             "SequenceParallel needs the same (batch, shard length) on every rank, got "
             + ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
         )
-    if len({row[4] for row in table}) > 1:
-        causal_by_rank = [bool(row[4]) for row in table]
+    if len({row[3] for row in table}) > 1:
+        causal_by_rank = [bool(row[3]) for row in table]
         raise ValueError(f"SequenceParallel: ranks disagree on is_causal: {causal_by_rank}")
 
 
@@ -427,7 +403,10 @@ def all_reduce_grads(module: nn.Module, group=None) -> None:
     """Sum every parameter gradient of ``module`` over ``group`` (in place).
 
     Under sequence parallelism each rank's backward gives the parameter gradient of its own
-    shard's share of the loss; the gradient of the whole loss is their sum.
+    shard's share of the loss; the gradient of the whole loss is their sum. A parameter
+    that has a gradient on some rank is summed on every rank (a rank where it has none, e.g.
+    one that held no rows of a context-parallel call, adds zeros), so every rank reduces the
+    same tensors; one without a gradient anywhere keeps None.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` (e.g. a list of tensors).
@@ -438,7 +417,15 @@ def all_reduce_grads(module: nn.Module, group=None) -> None:
             f"all_reduce_grads takes the module whose parameter gradients to sum (an "
             f"nn.Module), got {type(module).__name__}"
         )
-    dist = _dist()
-    for param in module.parameters():
-        if param.grad is not None:
+    from mmattn.distributed import _halo
+
+    dist = require_group("all_reduce_grads")
+    params = [p for p in module.parameters() if p.requires_grad]
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8,
+                       device=_halo.comm_device(group))
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    for param, any_rank in zip(params, has.tolist()):
+        if any_rank:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)

@@ -26,7 +26,8 @@ softmax, set to zero after (``live_rows`` / ``open_dead_rows``). Keys that no qu
 attend (padding) are zeroed first, so a NaN stored there cannot reach a real output. Query
 tiles without any key tile are never computed; their rows are zero.
 
-Score modifiers: ALiBi is an (N, h, s, c s) term per bucket on the token index of the item,
+Score modifiers: ALiBi is an (N, h, s, c s) term per bucket on the token index of the item
+(or on ``positions``, where a caller lays rows out in another order: context parallelism),
 added to the tile mask; sinks follow the CPU path's logsumexp merge (``TileAttention``), or
 else each bucket's call (a query tile's key tiles are all in one bucket); softcap is the
 explicit path, tile by tile.
@@ -83,6 +84,7 @@ def attend(
     need_weights: bool = False,
     groups: int = 1,
     modifiers: Modifiers | None = None,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention over the planned tiles only (unchecked; the layer validates): the path
     :func:`choose_path` picks, :func:`_cpu_flash` or :func:`_buckets`.
@@ -96,6 +98,10 @@ def attend(
         dropout_p, scale, need_weights: as :func:`mmattn.kernels.dense.attend`.
         modifiers: sinks, softcap and ALiBi (ALiBi on the token index, see the module
             docstring; positions or a term set on the Modifiers are refused).
+        positions: (b padded,) int64, the position in its item of each flat row (the rows
+            ``b · padded + i``), for ALiBi and ``is_causal``; None: ``i``. A caller that packs
+            rows of several places into one sequence (:mod:`mmattn.distributed`'s context
+            parallelism) gives their true positions here.
 
     Shape:
         - q: (b, h, i, e); k: (b, k, i, e); v: (b, k, i, e_v) — self-attention, i = j = L
@@ -105,7 +111,7 @@ def attend(
     mods = modifiers if modifiers else None
     scale = default_scale(q, scale)
     explicit = need_weights or not _dense.use_fused_attn() or (mods is not None and mods.explicit)
-    call = Call.of(key_mask, is_causal, plan.padded, dropout_p, scale, groups, mods)
+    call = Call.of(key_mask, is_causal, plan.padded, dropout_p, scale, groups, mods, positions)
     path = choose_path(q, v, explicit, dropout_p, call.key_add)
     if _dense.reporting():
         _dense.report(
@@ -144,12 +150,20 @@ class Call(NamedTuple):
     scale: float
     groups: int
     mods: Modifiers | None
+    positions: Tensor | None = None  # (b padded,) each flat row's position in its item
 
     @classmethod
     def of(cls, key_mask: Tensor | None, is_causal: bool, padded: int, dropout_p: float = 0.0,
-           scale: float = 1.0, groups: int = 1, mods: Modifiers | None = None) -> Call:
+           scale: float = 1.0, groups: int = 1, mods: Modifiers | None = None,
+           positions: Tensor | None = None) -> Call:
         """The settings of a call with this (b, j) key mask, on a plan of ``padded`` rows."""
-        return cls(*_key_rows(key_mask, padded), is_causal, dropout_p, scale, groups, mods)
+        return cls(*_key_rows(key_mask, padded), is_causal, dropout_p, scale, groups, mods,
+                   positions)
+
+    def at(self, rows: Tensor, padded: int) -> Tensor:
+        """The positions in their items of these flat rows (:attr:`positions`, or the
+        index ``rows % padded``)."""
+        return rows % padded if self.positions is None else self.positions[rows]
 
     @property
     def extra(self) -> bool:
@@ -175,7 +189,7 @@ def _cpu_flash(q2: Tensor, k2: Tensor, v2: Tensor, plan: TilePlan, call: Call, h
     mods = call.mods
     alibi = mods is not None and mods.slopes is not None
     rects, buckets = ([], plan.buckets) if call.extra or alibi else fast_parts(plan)
-    masks = [_with_alibi(_fused_mask(bk, call, plan.padded, dtype), bk, mods, plan.padded)
+    masks = [_with_alibi(_fused_mask(bk, call, plan.padded, dtype), bk, call, plan.padded)
              for bk in buckets]
     sinks = None if mods is None else mods.sinks
     return TileAttention.apply(q2, k2, v2, sinks, rects, buckets, masks, heads, kv_heads,
@@ -215,8 +229,8 @@ def _buckets(q2: Tensor, k2: Tensor, v2: Tensor, plan: TilePlan, call: Call, q: 
                 slot = bucket.slots
                 weights.index_put_((slot[..., 0], slot[..., 1], slot[..., 2]), w, accumulate=True)
         else:
-            mask, live = _with_alibi(_fused_mask(bucket, call, padded, q.dtype), bucket,
-                                     call.mods, padded)
+            mask, live = _with_alibi(_fused_mask(bucket, call, padded, q.dtype), bucket, call,
+                                     padded)
             out = _dense.sdpa(
                 qb, kb, vb, mask, dropout_p=call.dropout_p, scale=call.scale,
                 groups=call.groups, dead_rows=False, sinks=None if call.mods is None
@@ -240,11 +254,11 @@ def explicit_mask(bucket: Bucket, call: Call, padded: int,
     its modifiers with the ALiBi term: what the dense kernel's explicit twin is given."""
     allowed = bucket.allowed
     if call.extra:
-        allowed = _call_allowed(bucket, allowed, call.key_ok, call.is_causal, padded)
+        allowed = _call_allowed(bucket, allowed, call, padded)
     mask = with_bias(allowed, _key_term(bucket, call, dtype))
     mods = call.mods
     return mask, (None if mods is None else mods.with_terms(
-        alibi_term(bucket, mods, padded, dtype)))
+        alibi_term(bucket, call, padded, dtype)))
 
 
 def fast_parts(plan: TilePlan) -> tuple[list, list[Bucket]]:
@@ -267,7 +281,7 @@ def _fused_mask(bucket: Bucket, call: Call, padded: int,
     """A bucket's additive mask (dead rows opened) and live rows, for this call."""
     if not call.extra:
         return bucket.fused_mask(dtype)
-    allowed = _call_allowed(bucket, bucket.allowed, call.key_ok, call.is_causal, padded)
+    allowed = _call_allowed(bucket, bucket.allowed, call, padded)
     mask, live = additive(allowed, dtype)
     return with_bias(mask, _key_term(bucket, call, dtype)), live
 
@@ -292,15 +306,14 @@ def _key_rows(key_mask: Tensor | None, padded: int) -> tuple[Tensor | None, Tens
     return ok, torch.where(ok, add, 0.0)
 
 
-def _call_allowed(bucket: Bucket, allowed: Tensor, key_ok: Tensor | None, is_causal: bool,
-                  padded: int) -> Tensor:
+def _call_allowed(bucket: Bucket, allowed: Tensor, call: Call, padded: int) -> Tensor:
     """``bucket.allowed`` with this call's key mask and causal rule."""
     tiles, width = bucket.tiles, bucket.count * (bucket.q_rows.shape[0] // bucket.tiles)
-    if key_ok is not None:
-        allowed = allowed & key_ok[bucket.k_rows].view(tiles, 1, 1, width)
-    if is_causal:
-        q_pos = (bucket.q_rows % padded).view(tiles, 1, -1, 1)
-        k_pos = (bucket.k_rows % padded).view(tiles, 1, 1, width)
+    if call.key_ok is not None:
+        allowed = allowed & call.key_ok[bucket.k_rows].view(tiles, 1, 1, width)
+    if call.is_causal:
+        q_pos = call.at(bucket.q_rows, padded).view(tiles, 1, -1, 1)
+        k_pos = call.at(bucket.k_rows, padded).view(tiles, 1, 1, width)
         allowed = allowed & (k_pos <= q_pos)
     return allowed
 
@@ -314,17 +327,19 @@ def _check_modifiers(modifiers: Modifiers | None) -> None:
                          "it takes no q_pos, k_pos or bias")
 
 
-def alibi_term(bucket: Bucket, mods: Modifiers | None, padded: int, dtype: torch.dtype):
-    """A bucket's ALiBi term (N, h, s, c s) on each item's token index, or None."""
+def alibi_term(bucket: Bucket, call: Call, padded: int, dtype: torch.dtype):
+    """A bucket's ALiBi term (N, h, s, c s) on each item's token index (the call's
+    positions), or None."""
+    mods = call.mods
     if mods is None or mods.slopes is None:
         return None
-    return mods.alibi(*((rows % padded).view(bucket.tiles, -1, 1)
+    return mods.alibi(*(call.at(rows, padded).view(bucket.tiles, -1, 1)
                         for rows in (bucket.q_rows, bucket.k_rows)), dtype)
 
 
-def _with_alibi(parts: tuple, bucket: Bucket, mods: Modifiers | None, padded: int) -> tuple:
+def _with_alibi(parts: tuple, bucket: Bucket, call: Call, padded: int) -> tuple:
     """A bucket's (additive mask, live rows) with the ALiBi term added to the mask."""
-    bias = alibi_term(bucket, mods, padded, parts[0].dtype)
+    bias = alibi_term(bucket, call, padded, parts[0].dtype)
     return parts if bias is None else (parts[0] + bias, parts[1])
 
 
