@@ -408,16 +408,22 @@ def check_grid(name: str, value: object, axes: Sequence[int] = (2,)) -> tuple[in
     Raises TypeError for a side that is not an int (``2.5``, ``2.0``, ``True``: nothing is
     rounded or taken as 1) or another number of sides, ValueError for a side < 1.
     """
-    more = "" if tuple(axes) == (2,) else f" (a grid has 1 to 3 sides: {GRID_SIDES})"
+    axes = tuple(axes)
+    if axes == (2,):
+        what = "a (rows, cols) pair of ints"
+    elif axes == GRID_AXES:
+        what = f"1 to 3 ints: {GRID_SIDES}"
+    else:
+        what = " or ".join(f"{n} ints" for n in axes)
     if isinstance(value, Tensor):
         if value.dim() != 1 or not is_integer_dtype(value.dtype):
             raise TypeError(
-                f"{name} must be a (rows, cols) pair of ints, got a tensor of shape "
-                f"{tuple(value.shape)} and dtype {value.dtype}{more}"
+                f"{name} must be {what}, got a tensor of shape {tuple(value.shape)} and "
+                f"dtype {value.dtype}"
             )
         value = value.tolist()
     if not isinstance(value, (tuple, list, torch.Size)) or len(value) not in axes:
-        raise TypeError(f"{name} must be a (rows, cols) pair{more}, got {value!r}")
+        raise TypeError(f"{name} must be {what}, got {value!r}")
     sides = tuple(_grid_side(v) for v in value)
     return tuple(check_positive_int(f"{name}[{i}]", v) for i, v in enumerate(sides))
 

@@ -284,7 +284,7 @@ class Fuzz:
         for name, fn, *names in [
             ("grid float", lambda: masks.neighborhood_mask((2.5, 4), 1), "grid"),
             ("grid bool", lambda: masks.neighborhood_mask((True, 4), 1), "grid"),
-            ("grid 3 sides", lambda: masks.neighborhood_mask((2, 2, 2), 1), "grid"),
+            ("grid 4 sides", lambda: masks.neighborhood_mask((2, 2, 2, 2), 1), "grid"),
             ("kernel float", lambda: masks.neighborhood_mask((4, 4), 3.0), "kernel_size"),
             ("kernel bool", lambda: mmattn.NeighborhoodAttention(D, H, True), "kernel_size"),
             ("kernel even", lambda: masks.neighborhood_mask((4, 4), 2), "kernel_size"),

@@ -145,7 +145,7 @@ class FourthWave:
             ("grid too large", run(nb, {"grid": (n, n)}), "grid"),
             ("grid float", run(nb, {"grid": (1.5, 2)}), "grid"),
             ("grid zero side", run(nb, {"grid": (0, 2)}), "grid"),
-            ("grid 3 sides", run(nb, {"grid": (1, 1, 1)}), "grid"),
+            ("grid 4 sides", run(nb, {"grid": (1, 1, 1, 1)}), "grid"),
             ("grids B+1", run(nb, {"grids": [(1, 1)] * (b + 1)}), "grids", "grid"),
             ("grids tensor B+1", run(nb, {"grids": torch.ones(b + 1, 2, dtype=torch.long)}),
              "grids", "grid"),
