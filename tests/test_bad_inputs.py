@@ -583,6 +583,13 @@ NOT_IN_MATRIX = {
                                     "test_sequence_parallel.py, sp_errors)",
     "distributed.all_reduce_grads": "takes a module and a process group (a non-module is a "
                                     "TypeError: sp_errors, 2 gloo ranks)",
+    "distributed.ContextParallel": "needs a process group of several ranks: bad input on any "
+                                   "rank is the same error on every rank, never a hang (2 "
+                                   "gloo ranks, tests/mmattn/distributed/"
+                                   "test_context_parallel.py; module refusals there too)",
+    "distributed.context_plan": "a SparseMask and a process group (a non-mask is a TypeError:"
+                                " test_context_parallel_wraps_pattern_attention_only)",
+    "distributed.ContextPlan": "made by context_plan / ContextParallel.plan, not by users",
 }
 
 

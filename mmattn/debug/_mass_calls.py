@@ -36,6 +36,10 @@ from mmattn.patterns._context import TokenContext
 from mmattn.tokens import Tokens
 
 
+def _ignore(report: dict[str, Any]) -> None:
+    """A listener that reads nothing (see Session.run)."""
+
+
 def token_groups(tokens: Tokens, by: str) -> tuple[list[str], Tensor | None, Tensor]:
     """The group names, the (B, L) group of every token (-1: padding or none; None without
     modality facts) and the (B, L) real tokens, in the Tokens' padded layout.
@@ -101,8 +105,10 @@ class Session:
         with contextlib.ExitStack() as undo:
             for step in self.install(model):
                 undo.callback(step)
+            # a listener also turns on report_facts, which the step wrapper reads (a packed
+            # bucket's items); without top-k it only has to be there
+            undo.callback(add_listener(self.listener if self.topk else _ignore))
             if self.topk:  # engines report no tiles: mmattn's own kernels run the calls
-                undo.callback(add_listener(self.listener))
                 undo.enter_context(engines.use("fallback"))
             if isinstance(model, MultiHeadAttention) and isinstance(tokens, Tokens):
                 self.tokens.append(tokens)  # a bare layer: called on the Tokens' tensors
