@@ -68,13 +68,13 @@ def test_mask_matches_naive_definition(case):
     ({"grid": (4, 4), "kernel_size": 2}, ValueError, "kernel_size must be odd"),
     ({"grid": (4, 4), "kernel_size": 3, "dilation": 0}, ValueError, r"dilation\[0\] must be >= 1"),
     ({"grid": (0, 4), "kernel_size": 3}, ValueError, r"grid\[0\] must be >= 1"),
-    ({"grid": 4, "kernel_size": 3}, TypeError, "grid must be a .rows, cols. pair"),
+    ({"grid": 4, "kernel_size": 3}, TypeError, r"grid must be 1 to 3 ints: .*got 4"),
     # sides are checked, never coerced: 2.5 is not rounded to 2, True is not taken as 1
     ({"grid": (2.5, 4), "kernel_size": 3}, TypeError, r"grid\[0\] must be an int, got float"),
     ({"grid": (4, 2.0), "kernel_size": 3}, TypeError, r"grid\[1\] must be an int, got float"),
     ({"grid": (True, 4), "kernel_size": 3}, TypeError, r"grid\[0\] must be an int, got bool"),
     ({"grid": torch.tensor([2.0, 4.0]), "kernel_size": 3}, TypeError,
-     "grid must be a .rows, cols. pair of ints, got a tensor .* torch.float32"),
+     "grid must be 1 to 3 ints: .* got a tensor .* torch.float32"),
     ({"grid": (4, 4), "kernel_size": 3, "num_global_tokens": -1}, ValueError,
      "num_global_tokens must be >= 0"),
 ])
