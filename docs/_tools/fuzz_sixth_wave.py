@@ -137,7 +137,7 @@ class SixthWave(PositionCases):
             ("layer causal of 2 on a 3-D grid", lambda: NA(D, H, 3, causal=(True, False))(
                 x3, grid=(2, 2, 2)), "causal=(True, False)"),
             ("layer kernel of 2 on a 3-D grid", lambda: NA(D, H, (3, 3))(x3, grid=(2, 2, 2)),
-             "kernel_size=(3, 3)"),
+             "kernel_size"),
             ("layer grid float", lambda: three(x3, grid=(2, 2, 2.0)), "grid"),
             ("layer grid bool", lambda: three(x3, grid=(2, True, 4)), "grid"),
             ("layer grids of mixed axes", lambda: three(
