@@ -253,8 +253,9 @@ def neighborhood(
 
     Raises:
         TypeError / ValueError: an even kernel, a dilation < 1, per-axis tuples of different
-            lengths; on use, no grid in the meta (the message names ``"grid"``), a grid of
-            more axes than a tuple kernel (naming ``kernel_size``).
+            lengths or of other than 1 to 3 entries; on use, no grid in the meta (the message
+            names ``"grid"``), a grid of more axes than a tuple kernel (naming
+            ``kernel_size``).
 
     Examples:
         >>> from mmattn import Tokens, patterns as P
