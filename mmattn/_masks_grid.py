@@ -17,6 +17,7 @@ from torch import Tensor
 
 from mmattn._checks import (
     GRID_AXES,
+    GRID_SIDES,
     check_axes,
     check_device,
     check_grid,
@@ -82,19 +83,32 @@ def window_axes(
     Raises:
         TypeError: a kernel or dilation that is not an int or a tuple of ints, a causal
             that is not a bool or a tuple of bools.
-        ValueError: tuples of different lengths (the message names them), an even kernel,
-            a kernel or dilation < 1.
+        ValueError: tuples of different lengths (the message names them) or of other than 1
+            to 3 entries, an even kernel, a kernel or dilation < 1.
     """
-    given = {name: len(value) for name, value in (
-        ("kernel_size", kernel_size), ("dilation", dilation), ("causal", causal))
-        if isinstance(value, (tuple, list))}
+    values = {"kernel_size": kernel_size, "dilation": dilation, "causal": causal}
+    given = {name: len(v) for name, v in values.items() if isinstance(v, (tuple, list))}
     if len(set(given.values())) > 1:
         raise ValueError(
             "kernel_size, dilation and causal must have one entry per grid axis, the same "
             f"number each: got {given}"
         )
     axes = next(iter(given.values()), None)
+    if axes is not None and axes not in GRID_AXES:
+        got = ", ".join(f"{name}={values[name]!r}" for name in given)
+        raise ValueError(
+            f"{' and '.join(given)} must have one entry per grid axis, 1 to 3 "
+            f"({GRID_SIDES}), got {axes}: {got}"
+        )
     return axes, check_window((1,) * (axes or 2), kernel_size, dilation, causal)
+
+
+def describe_window(
+    kernel: tuple[int, ...], dilation: tuple[int, ...], causal: tuple[bool, ...]
+) -> str:
+    """``kernel_size=(..), dilation=(..), causal=(..)``: a per-axis window in messages (the
+    argument that fixed its axes may be any of the three)."""
+    return f"kernel_size={tuple(kernel)}, dilation={tuple(dilation)}, causal={tuple(causal)}"
 
 
 def grid_window(
@@ -111,8 +125,9 @@ def grid_window(
         return check_window(grid, kernel[0], dilation[0], causal[0])
     if len(grid) != len(kernel):
         raise ValueError(
-            f"grid must have one side per axis of kernel_size {tuple(kernel)}: expected "
-            f"{len(kernel)} sides, got grid {tuple(grid)}"
+            f"grid must have one side per axis of the window "
+            f"({describe_window(kernel, dilation, causal)}): expected {len(kernel)} sides, "
+            f"got grid {tuple(grid)}"
         )
     return tuple(kernel), tuple(dilation), tuple(causal)
 

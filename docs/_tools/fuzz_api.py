@@ -20,7 +20,9 @@ helpers of ``mmattn.masks``, on both paths (``fused_attn(True)`` and ``(False)``
 
 The exit status is 1 when any case is silent, refused or a hang, or more than 5 are opaque.
 The fourth wave's surfaces (patterns, modifiers, streaming, mass) are in
-``fuzz_fourth_wave.py`` beside this file, run here too (alone: run that file).
+``fuzz_fourth_wave.py`` beside this file, the sixth wave's (video, 3-D and causal
+neighbourhoods, frame-causal patterns, multi-axis positions) in ``fuzz_sixth_wave.py``;
+both run here too (alone: run that file).
 """
 
 from __future__ import annotations
@@ -566,8 +568,10 @@ class Fuzz:
             self.invalid(f"{tag} helpers {name}", fn, *names)
 
 
-def main(fourth_only: bool = False) -> int:
-    from fuzz_fourth_wave import FourthWave  # beside this file; imports this module
+def main(only: str | None = None) -> int:
+    """Run every subject, or ``only`` "fourth" / "sixth" (the waves' own tools)."""
+    from fuzz_fourth_wave import FourthWave  # beside this file; they import this module
+    from fuzz_sixth_wave import SixthWave
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -579,7 +583,8 @@ def main(fourth_only: bool = False) -> int:
     fuzz = Fuzz(args.seed, args.timeout, args.verbose)
     subjects = (fuzz.sdpa, fuzz.local, fuzz.nbhd, fuzz.edges, fuzz.mha, fuzz.cross,
                 fuzz.packed_rows, fuzz.hf_entry, fuzz.decode, fuzz.helpers)
-    subjects = (() if fourth_only else subjects) + FourthWave(fuzz).subjects()
+    waves = {"fourth": FourthWave(fuzz).subjects(), "sixth": SixthWave(fuzz).subjects()}
+    subjects = waves[only] if only else subjects + waves["fourth"] + waves["sixth"]
     for rnd in range(args.rounds):
         for fused in (True, False):
             with MF.fused_attn(fused):

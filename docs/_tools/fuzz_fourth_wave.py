@@ -504,7 +504,7 @@ class FourthWave:
 
 
 def main() -> int:
-    return base.main(fourth_only=True)
+    return base.main(only="fourth")
 
 
 if __name__ == "__main__":

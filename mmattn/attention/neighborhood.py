@@ -138,8 +138,9 @@ class NeighborhoodAttention(MultiHeadAttention):
         TypeError: ``kernel_size`` or ``dilation`` is not an int or a tuple of ints,
             ``causal`` not a bool or a tuple of bools.
         ValueError: an even kernel, a kernel or dilation < 1, per-axis tuples of different
-            lengths, ``num_global_tokens`` < 0, a ``relative_position_bias`` for another
-            window or head count or a grid that is not 2-D, ``softcap`` <= 0; in
+            lengths or of other than 1 to 3 entries, ``num_global_tokens`` < 0, a
+            ``relative_position_bias`` for another window or head count or a grid that is
+            not 2-D, ``softcap`` <= 0; in
             ``forward``: no ``grid``, a grid whose cells do not match the tokens or whose
             axes are not those of ``kernel_size`` (the message names both), a grid list of
             the wrong length, ``is_causal=True``, key and query lengths that differ, plus

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from mmattn import _checks as checks
 from mmattn._jagged import runs_of
-from mmattn._masks_grid import axis_window, check_window, window_axes
+from mmattn._masks_grid import axis_window, check_window, describe_window, window_axes
 from mmattn.patterns._attributes import Modality, _names
 from mmattn.patterns._base import Bound, Pattern
 from mmattn.patterns._context import Chunk, Rule, Tiles, TokenContext, k_axis, lookup, q_axis
@@ -53,10 +53,12 @@ class Neighborhood(Pattern):
                                 self.causal[0])
         wider = [a for a in g.axes if a > self.axes]
         if wider:
+            window = describe_window(self.kernel_size, self.dilation, self.causal)
             raise ValueError(
-                f"P.neighborhood's kernel_size {self.kernel_size} has {self.axes} axes, but "
-                f"the tokens hold a grid of {wider[0]} axes; give one entry per grid axis, "
-                "one int for every axis, or modality= to keep the grids it is meant for"
+                f"P.neighborhood's window ({window}) has {self.axes} axes, but the tokens "
+                f"hold a grid of {wider[0]} axes; give kernel_size, dilation and causal one "
+                "entry per grid axis, one value for every axis, or modality= to keep the "
+                "grids it is meant for"
             )
         lead = count - self.axes  # leading sides of 1 (grids of other spans)
         return ((1,) * lead + self.kernel_size, (1,) * lead + self.dilation,
@@ -251,8 +253,9 @@ def neighborhood(
 
     Raises:
         TypeError / ValueError: an even kernel, a dilation < 1, per-axis tuples of different
-            lengths; on use, no grid in the meta (the message names ``"grid"``), a grid of
-            more axes than a tuple kernel (naming ``kernel_size``).
+            lengths or of other than 1 to 3 entries; on use, no grid in the meta (the message
+            names ``"grid"``), a grid of more axes than a tuple kernel (naming
+            ``kernel_size``).
 
     Examples:
         >>> from mmattn import Tokens, patterns as P

@@ -76,8 +76,9 @@ def video_attention(
         The ``matplotlib.figure.Figure``: a row of frames over a row of weight grids.
 
     Raises:
-        TypeError: ``grid`` is not three ints or video Tokens.
+        TypeError: ``grid`` is not three ints or video Tokens; ``query`` not an int.
         ValueError: ``attention`` or ``allowed`` does not fit the grid (shapes named);
+            ``query`` outside the grid's tubelets;
             ``video`` of another rank, or with fewer frames than time steps.
 
     Examples:
@@ -87,6 +88,11 @@ def video_attention(
     """
     (steps, rows, cols), per_step = _grid_of(grid)
     cells = steps * rows * cols
+    if query is not None and check_positive_int("query", query, minimum=0) >= cells:
+        raise ValueError(
+            f"query must be a tubelet index in [0, {cells}) of the grid {(steps, rows, cols)}, "
+            f"got {query}"
+        )
     attention = _array(attention, "attention", (1, 3))
     mask = torch.ones(cells, dtype=torch.bool) if allowed is None else _array(
         allowed, "allowed", (1, 3)).bool()

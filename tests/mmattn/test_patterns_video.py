@@ -113,9 +113,17 @@ def test_image_and_video_grids_in_one_sequence():
     assert not wide.dense(fused)[0, :12].any()
     flat = P.neighborhood((3, 3), modality="image")  # the video grid is not its business
     assert torch.equal(flat.dense(fused)[0, :12, :12], neighborhood_mask((3, 4), 3))
-    with pytest.raises(ValueError, match=r"kernel_size \(3, 3\) has 2 axes, but the tokens "
-                                         r"hold a grid of 3 axes"):
+    with pytest.raises(ValueError, match=r"window \(kernel_size=\(3, 3\), dilation=\(1, 1\), "
+                                         r"causal=\(False, False\)\) has 2 axes, but the "
+                                         r"tokens hold a grid of 3 axes"):
         P.neighborhood((3, 3)).dense(fused)
+    # axes fixed by causal alone: the message shows causal (fuzz_sixth_wave.py found it
+    # naming a kernel_size (3, 3) that was never given)
+    with pytest.raises(ValueError, match=r"causal=\(True, False\)\) has 2 axes"):
+        P.neighborhood(3, causal=(True, False)).dense(fused)
+    with pytest.raises(ValueError, match=r"kernel_size must have one entry per grid axis, "
+                                         r"1 to 3"):
+        P.neighborhood((3, 3, 3, 3))
 
 
 def test_frame_causal_equals_a_pair_by_pair_loop():

@@ -139,8 +139,10 @@ def test_window_arguments_are_checked_by_name():
     with pytest.raises(ValueError, match=r"relative_position_bias .* needs a 2-D kernel_size"):
         NeighborhoodAttention(D, H, (3, 3, 3), relative_position_bias=True)
     video = NeighborhoodAttention(D, H, (3, 3, 3), causal=(True, False, False))
-    with pytest.raises(ValueError, match=r"grid must have one side per axis of kernel_size "
-                                         r"\(3, 3, 3\): expected 3 sides, got grid \(4, 6\)"):
+    with pytest.raises(ValueError, match=r"grid must have one side per axis of the window "
+                                         r"\(kernel_size=\(3, 3, 3\), dilation=\(1, 1, 1\), "
+                                         r"causal=\(True, False, False\)\): expected 3 sides, "
+                                         r"got grid \(4, 6\)"):
         video(torch.randn(1, 24, D), grid=(4, 6))
     with pytest.raises(ValueError, match=r"grid \(2, 3, 4\) has frames \* rows \* cols = 24"):
         video(torch.randn(1, 20, D), grid=(2, 3, 4))
@@ -150,6 +152,27 @@ def test_window_arguments_are_checked_by_name():
     table = NeighborhoodAttention(D, H, 3, relative_position_bias=True)
     with pytest.raises(ValueError, match="relative_position_bias .* needs a 2-D grid"):
         table(torch.randn(1, 24, D), grid=(2, 3, 4))
+
+
+def test_a_window_of_more_than_three_axes_is_refused_when_built():
+    # found by docs/_tools/fuzz_sixth_wave.py: a 4-axis kernel was accepted by the layer
+    # (and P.neighborhood), though no grid can ever have 4 axes
+    with pytest.raises(ValueError, match=r"kernel_size must have one entry per grid axis, "
+                                         r"1 to 3 .*got 4: kernel_size=\(3, 3, 3, 3\)"):
+        NeighborhoodAttention(D, H, (3, 3, 3, 3))
+    with pytest.raises(ValueError, match=r"dilation and causal must have one entry per grid "
+                                         r"axis, 1 to 3 .*got 0: dilation=\(\), causal=\(\)"):
+        NeighborhoodAttention(D, H, 3, dilation=(), causal=())
+
+
+def test_a_grid_that_misses_a_window_given_by_causal_names_causal():
+    # the window's axes came from causal alone: the message names every per-axis argument
+    # rather than a kernel_size tuple the user never wrote (fuzz_sixth_wave.py)
+    layer = NeighborhoodAttention(D, H, 3, causal=(True, False))
+    with pytest.raises(ValueError, match=r"kernel_size=\(3, 3\), dilation=\(1, 1\), "
+                                         r"causal=\(True, False\)\): expected 2 sides, got "
+                                         r"grid \(2, 2, 2\)"):
+        layer(torch.randn(1, 8, D), grid=(2, 2, 2))
 
 
 def test_a_scalar_kernel_takes_the_grid_it_is_given():

@@ -246,7 +246,8 @@ def test_plan_of_a_video_grid_is_linear_in_its_cells():
     ({"causal": (True, 1, False)}, TypeError, r"causal\[1\] must be a bool, got int"),
     ({"kernel_size": (3, 4, 3)}, ValueError, "kernel_size must be odd"),
     ({"grid": (2, 3, 4, 1)}, TypeError,
-     r"grid must be 1 to 3 ints: \(length,\), \(rows, cols\) or \(frames, rows, cols\)"),
+     r"grid must be 1 to 3 ints: \(length,\), \(rows, cols\) or \(frames, rows, cols\), "
+     r"got \(2, 3, 4, 1\)"),
     ({"grid": (2, 0, 12)}, ValueError, r"grid\[1\] must be >= 1"),
 ])
 def test_named_errors_expected_and_got(kwargs, error, match):

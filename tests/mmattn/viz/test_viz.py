@@ -118,6 +118,11 @@ def test_graph_attention(tmp_path):
          r"\(17,\).*\(2, 3, 3\) \(18 tubelets\)"),
         (lambda: viz.video_attention(torch.rand(18), torch.rand(1, 8, 8), (2, 3, 3)),
          r"one frame per time step \(2\)"),
+        # found by fuzz_sixth_wave.py: a query outside the grid drew no cross, silently
+        (lambda: viz.video_attention(torch.rand(18), torch.rand(4, 8, 8), (2, 3, 3),
+                                     query=18), r"query .* \[0, 18\) .* \(2, 3, 3\), got 18"),
+        (lambda: viz.video_attention(torch.rand(18), torch.rand(4, 8, 8), (2, 3, 3),
+                                     query=-1), r"query must be >= 0, got -1"),
         (lambda: viz.graph_attention(torch.rand(5), RING, num_nodes=6),
          r"\(5,\).*6 nodes"),
         (lambda: viz.graph_attention(torch.rand(5), RING), r"node 5 .* 5 nodes"),
@@ -128,6 +133,11 @@ def test_graph_attention(tmp_path):
 def test_bad_shapes_name_both_sides(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_video_query_must_be_an_int():
+    with pytest.raises(TypeError, match=r"query must be an int, got float \(1.0\)"):
+        viz.video_attention(torch.rand(18), torch.rand(4, 8, 8), (2, 3, 3), query=1.0)
 
 
 @pytest.mark.skipif(not viz.label_font()[1:], reason="no CJK font installed (e.g. apt-get "
