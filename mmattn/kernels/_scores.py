@@ -15,6 +15,8 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mmattn._helpers import static_int
+
 
 def acc_dtype(q: Tensor) -> torch.dtype:
     """The dtype scores and sums are kept in: float32, or float64 for double inputs."""
@@ -30,7 +32,11 @@ def default_scale(q: Tensor, scale: float | None) -> float:
     """
     if scale is not None:
         return scale
-    return 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    # the head width as a plain int: a traced width (torch.compile(dynamic=True) makes the
+    # embedding width symbolic) would put a symbolic sqrt into a guard, which torch 2.5's
+    # guard printer cannot write (feature guard_sqrt)
+    width = static_int(q.shape[-1])
+    return 1.0 / math.sqrt(width) if width else 1.0
 
 
 def dot_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:

@@ -12,8 +12,10 @@ from torch import nn
 import adapters
 from adapters import VideoPatcher
 from mmattn import Tokens
+from mmattn._features import features
 from mmattn.position import resample_2d, sinusoidal_1d, sinusoidal_2d
 from mmattn.rotary import mrope_positions
+from tests._features import reason
 
 D = 24
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -245,22 +247,27 @@ def test_bad_constructor_arguments():
         VideoPatcher(6, positional="sincos")
 
 
-def test_exported_and_compiled_forms_give_eager_numbers():
+@pytest.mark.parametrize("form", ["exported", "compiled"])
+def test_exported_and_compiled_forms_give_eager_numbers(form):
     patcher = VideoPatcher(D, tubelet=(2, 4, 4), num_frames=8, img_size=8).eval()
-    dims = {0: torch.export.Dim("B", min=1, max=8), 2: torch.export.Dim("T", min=3, max=8),
-            3: torch.export.Dim("H", min=5, max=64), 4: torch.export.Dim("W", min=5, max=64)}
-    exported = torch.export.export(
-        patcher, (torch.rand(2, 3, 6, 8, 12), torch.tensor([6, 3])),
-        dynamic_shapes=(dims, {0: dims[0]}),
-    ).module()
+    if form == "exported":
+        # as the export suite (tests/mmattn/integrations/test_export.py): torch 2.5 and 2.6
+        # specialise the batch and cannot prove the ceil padding >= 0 for a dynamic side
+        if not features().is_exporting:
+            pytest.skip(reason("is_exporting"))
+        dims = {0: torch.export.Dim("B", min=1, max=8), 2: torch.export.Dim("T", min=3, max=8),
+                3: torch.export.Dim("H", min=5, max=64), 4: torch.export.Dim("W", min=5, max=64)}
+        run = torch.export.export(
+            patcher, (torch.rand(2, 3, 6, 8, 12), torch.tensor([6, 3])),
+            dynamic_shapes=(dims, {0: dims[0]}),
+        ).module()
     torch._dynamo.reset()
-    compiled = torch.compile(patcher, backend="aot_eager", fullgraph=True, dynamic=True)
+    if form == "compiled":
+        run = torch.compile(patcher, backend="aot_eager", fullgraph=True, dynamic=True)
     for video, lengths in ((torch.rand(3, 3, 8, 12, 16), torch.tensor([8, 5, 1])),
                            (torch.rand(1, 3, 5, 9, 20), torch.tensor([4]))):
-        want = patcher(video, lengths)
-        for form in (exported, compiled):
-            got = form(video, lengths)
-            torch.testing.assert_close(got.x, want.x, **TOL)
-            assert torch.equal(got.mask, want.mask) and torch.equal(got.meta["frames"],
-                                                                    want.meta["frames"])
+        want, got = patcher(video, lengths), run(video, lengths)
+        torch.testing.assert_close(got.x, want.x, **TOL)
+        assert torch.equal(got.mask, want.mask) and torch.equal(got.meta["frames"],
+                                                                want.meta["frames"])
     torch._dynamo.reset()

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -52,7 +54,10 @@ def test_equals_transformers_qwen2_vl_rotary(head_dim, sections, base, dtype, de
     k = torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype)
     position_ids = torch.randint(0, 5000, (3, batch, length), device=device)  # (axes, b, l)
     cos, sin = rotary(q, position_ids)
-    want_q, want_k = qwen.apply_rotary_pos_emb(q, k, cos, sin)
+    if hasattr(qwen, "apply_rotary_pos_emb"):  # the sections are mixed in the rotary module
+        want_q, want_k = qwen.apply_rotary_pos_emb(q, k, cos, sin)
+    else:  # transformers 5.0: cos and sin per axis, mixed by section when applied
+        want_q, want_k = qwen.apply_multimodal_rotary_pos_emb(q, k, cos, sin, list(sections))
 
     rope = MultiAxisRotary(head_dim, sections, base=base).to(device)
     positions = position_ids.permute(1, 2, 0)  # (b, l, axes)
@@ -165,6 +170,10 @@ def _transformers_rope_index(fused: Tokens, parts: dict) -> torch.Tensor:
     """Qwen2-VL's get_rope_index on the same layout (token types, grids, attention mask)."""
     qwen = _qwen2_vl()
     from transformers import Qwen2VLConfig
+
+    if "mm_token_type_ids" not in inspect.signature(qwen.Qwen2VLModel.get_rope_index).parameters:
+        pytest.skip("needs get_rope_index(input_ids, mm_token_type_ids, ...): transformers "
+                    "5.0's finds the parts by special token ids, which this layout has not")
 
     config = Qwen2VLConfig(
         text_config=dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
