@@ -38,7 +38,6 @@ SINCE = {
     "recompile_limit": "torch >= 2.7",
     "flex_cpu": "torch >= 2.6",
     "block_mask_seq_lengths": "torch >= 2.6",
-    "guard_sqrt": "a torch newer than 2.5",
 }
 
 
@@ -66,10 +65,6 @@ class Features:
             CPU flex call to CUDA: "Found no NVIDIA driver").
         block_mask_seq_lengths: ``BlockMask.from_kv_blocks`` takes ``seq_lengths`` (a
             BlockMask whose shape is the sequence's, not a whole number of blocks).
-        guard_sqrt: dynamo can evaluate a guard over a symbolic square root (its printer has
-            ``_print_OpaqueUnaryFn_sqrt``); torch 2.5's ``dynamic=True`` makes a module's
-            head count symbolic, the default scale ``1 / sqrt(e)`` then sits in a guard that
-            fails with "name 'OpaqueUnaryFn_sqrt' is not defined".
         recompile_limit: the name of dynamo's per-code recompile limit in
             ``torch._dynamo.config`` (``"recompile_limit"``; ``"cache_size_limit"`` before).
     """
@@ -80,7 +75,6 @@ class Features:
     is_exporting: bool
     flex_cpu: bool
     block_mask_seq_lengths: bool
-    guard_sqrt: bool
     recompile_limit: str
 
     def missing(self) -> tuple[str, ...]:
@@ -126,14 +120,6 @@ def _block_mask_seq_lengths() -> bool:
         return False
 
 
-def _guard_sqrt() -> bool:
-    try:
-        from torch.utils._sympy.printers import PythonPrinter
-    except ImportError:
-        return False
-    return hasattr(PythonPrinter, "_print_OpaqueUnaryFn_sqrt")
-
-
 def _detect() -> Features:
     sdpa_gqa, cpu_flash = _sdpa_gqa(), _cpu_flash()
     config = torch._dynamo.config
@@ -145,7 +131,6 @@ def _detect() -> Features:
         flex_cpu=importlib.util.find_spec(
             "torch._inductor.codegen.cpp_flex_attention_template") is not None,
         block_mask_seq_lengths=_block_mask_seq_lengths(),
-        guard_sqrt=_guard_sqrt(),
         recompile_limit=(
             "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"),
     )

@@ -34,7 +34,7 @@ def default_scale(q: Tensor, scale: float | None) -> float:
         return scale
     # the head width as a plain int: a traced width (torch.compile(dynamic=True) makes the
     # embedding width symbolic) would put a symbolic sqrt into a guard, which torch 2.5's
-    # guard printer cannot write (feature guard_sqrt)
+    # guard printer cannot write ("name 'OpaqueUnaryFn_sqrt' is not defined")
     width = static_int(q.shape[-1])
     return 1.0 / math.sqrt(width) if width else 1.0
 

@@ -24,8 +24,6 @@ from mmattn import (
     Tokens,
     TransformerBlock,
 )
-from mmattn._features import features
-from tests._features import reason
 from tests.mmattn.test_compile import (  # noqa: F401 (_fresh_dynamo: an autouse fixture)
     LENGTHS,
     LOCAL_LENGTHS,
@@ -108,8 +106,6 @@ SLOW_DYNAMIC = {"local_gqa_causal", "neighborhood_batches", "block_local",
 def test_dynamic_true_fullgraph_four_lengths_one_capture(name, case):
     """``dynamic=True, fullgraph=True``: four lengths and padding patterns, forward and
     backward equal to eager, and the capture of the first length serves the other three."""
-    if name == "block_full" and not features().guard_sqrt:  # its head count goes symbolic
-        pytest.skip(reason("guard_sqrt"))
     module, make, lengths = case
     frames = _check(module, make, lengths, "aot_eager", dynamic=True)
     assert frames[-1] == frames[0], f"recompiled: frames after each length {frames}"
