@@ -210,6 +210,25 @@ def peak_rss_growth(call: Callable[[], object]) -> int:
     return proc_status("VmHWM") - base
 
 
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak CPU memory allocated by ``fn()`` (the profiler's allocation trace).
+
+    Each op's *self* allocations count once (a parent op's figure includes its children's).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live, peak = 0, 0
+    events = sorted(
+        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
+    )
+    for event in events:
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
 def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: float) -> object:
     """Run ``worker(rank, world, port, *args, out)`` in ``world`` spawned processes (a
     ``torch.distributed`` group of them, rendezvous on 127.0.0.1:port) and return what rank

@@ -23,6 +23,7 @@ from benchmarks._harness import (  # noqa: E402
     add_docs_argument,
     interleaved_samples,
     markdown_table,
+    peak_bytes,
     write_docs,
 )
 from mmattn import LocalAttention, MultiHeadAttention, Tokens, TransformerBlock  # noqa: E402
@@ -44,25 +45,6 @@ def make_inputs(lens: list[int], dim: int) -> tuple[Tokens, Tokens]:
     values = torch.randn(int(offsets[-1]), dim)
     packed = Tokens.from_packed(values, offsets)
     return packed, packed.unpack()
-
-
-def peak_bytes(fn) -> int:
-    """Peak CPU memory allocated by ``fn()`` (the profiler's allocation trace).
-
-    Each op's *self* allocations count once (a parent op's figure includes its children's).
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live, peak = 0, 0
-    events = sorted(
-        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
-    )
-    for event in events:
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
 
 
 def step(module, x, **kw):
