@@ -20,8 +20,9 @@ Only APIs both trees have are used. The child imports nothing from this tree but
 harness beside it, so ``PYTHONPATH`` decides which ``mmattn`` (and ``adapters``) runs:
 each child prints the path of the ``mmattn`` it imported, and the parent checks it.
 
-    OMP_NUM_THREADS=1 python benchmarks/versus_base.py --base /work/wt/base
-    python benchmarks/versus_base.py --only local_fwd_bwd --rounds 5   # one workload again
+    git worktree add --detach ../mmattn-base 1220173   # the tree before the sixth wave
+    OMP_NUM_THREADS=1 python benchmarks/versus_base.py --base ../mmattn-base
+    python benchmarks/versus_base.py --base ../mmattn-base --only local_fwd_bwd --rounds 5
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, markdown_table, peak_bytes  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]
-DEFAULT_BASE = "/work/wt/base"
 MIB = 1024**2
 
 
@@ -317,7 +317,8 @@ def run_child(tree: Path, name: str, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", default=DEFAULT_BASE, help="the tree to compare against")
+    parser.add_argument("--base", required=True,
+                        help="a checkout of the tree to compare against")
     parser.add_argument("--rounds", type=int, default=3,
                         help="children per tree and workload, alternating A B A B ...")
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per child")
