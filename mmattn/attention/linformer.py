@@ -209,7 +209,7 @@ class LinformerAttention(MultiHeadAttention):
                 "attn_mask is not supported by LinformerAttention: keys are projected to "
                 f"proj_len={self.proj_len} slots; use key_padding_mask for padding"
             )
-        longest = max(k_lens, default=0)
+        longest = max(k_lens) if k_lens else 0  # not default=: torch 2.5's dynamo refuses it
         if longest > self.seq_len:
             which = "" if len(k_lens) == 1 else " (the longest packed item)"
             raise ValueError(
