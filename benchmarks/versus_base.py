@@ -317,8 +317,7 @@ def run_child(tree: Path, name: str, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True,
-                        help="a checkout of the tree to compare against")
+    parser.add_argument("--base", help="a checkout of the tree to compare against (required)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="children per tree and workload, alternating A B A B ...")
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per child")
@@ -329,6 +328,8 @@ def main() -> None:
     if args.child:
         child(args.child, args.repeats)
         return
+    if not args.base:
+        parser.error("--base is required: a checkout of the tree to compare against")
     base = Path(args.base).resolve()
     trees = {"base": base, "current": HERE}
     names = [n for n in WORKLOADS
