@@ -6,6 +6,8 @@ from typing import TypeVar
 
 import torch
 
+from mmattn._features import export_tracing, features
+
 T = TypeVar("T")
 
 
@@ -49,8 +51,6 @@ def exporting() -> bool:
     """True while ``torch.export`` traces: ``torch.compiler.is_exporting`` where torch has it
     (feature ``is_exporting``), else :func:`mmattn._features.export_tracing` (strict and
     non-strict export of the torch releases before it)."""
-    from mmattn._features import export_tracing, features
-
     if features().is_exporting:
         return bool(torch.compiler.is_exporting())
     return export_tracing()
