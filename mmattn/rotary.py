@@ -240,7 +240,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if tuple(table.shape) != want:
             raise ValueError(f"{name} must have shape (L, e)={want}, got {tuple(table.shape)}")
         check_same_device(name, table, "x", x)
-    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+    return _rotate(x, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
